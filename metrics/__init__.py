@@ -1,0 +1,82 @@
+"""Pure scoring functions: LongBench (official semantics) and judge-free needle scoring.
+
+Imports nothing from `harness`; jieba, rouge, numpy and Levenshtein load on first use.
+"""
+
+from metrics.longbench import (
+    CODE_SIM_BACKENDS,
+    classification_score,
+    code_sim_score,
+    count_score,
+    dataset2metric,
+    first_line,
+    fuzz_ratio,
+    normalize_answer,
+    normalize_zh_answer,
+    qa_f1_score,
+    qa_f1_zh_score,
+    retrieval_score,
+    retrieval_zh_score,
+    rouge_score,
+    rouge_zh_score,
+    scorer,
+    scorer_e,
+)
+from metrics.longbench_config import load_dataset2maxlen, load_dataset2prompt, load_model2maxlen
+from metrics.longbench_tasks import (
+    FIRST_LINE_TASKS,
+    LONGBENCH_ALL_TASKS,
+    LONGBENCH_E_BUCKETS,
+    LONGBENCH_E_TASKS,
+    LONGBENCH_EN_TASKS,
+    LONGBENCH_ZH_TASKS,
+    TASK_CATEGORIES,
+    average_scores,
+    task_category,
+)
+from metrics.needle import (
+    NEEDLE_ANSWER,
+    keyword_recall,
+    needle_keywords,
+    rouge1_f,
+    score_needle_response,
+    strict_match,
+)
+
+__all__ = [
+    "CODE_SIM_BACKENDS",
+    "FIRST_LINE_TASKS",
+    "LONGBENCH_ALL_TASKS",
+    "LONGBENCH_E_BUCKETS",
+    "LONGBENCH_E_TASKS",
+    "LONGBENCH_EN_TASKS",
+    "LONGBENCH_ZH_TASKS",
+    "NEEDLE_ANSWER",
+    "TASK_CATEGORIES",
+    "average_scores",
+    "classification_score",
+    "code_sim_score",
+    "count_score",
+    "dataset2metric",
+    "first_line",
+    "fuzz_ratio",
+    "keyword_recall",
+    "load_dataset2maxlen",
+    "load_dataset2prompt",
+    "load_model2maxlen",
+    "needle_keywords",
+    "normalize_answer",
+    "normalize_zh_answer",
+    "qa_f1_score",
+    "qa_f1_zh_score",
+    "retrieval_score",
+    "retrieval_zh_score",
+    "rouge1_f",
+    "rouge_score",
+    "rouge_zh_score",
+    "score_needle_response",
+    "scorer",
+    "scorer_e",
+    "strict_match",
+    "task_category",
+]
