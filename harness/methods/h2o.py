@@ -1,0 +1,89 @@
+"""H2O (Heavy-Hitter Oracle, arXiv 2306.14048), the prefill-time variant used as a one-shot baseline.
+
+Per layer and query head, once at prefill: every prompt query attends causally (softmax) over the
+prompt; the attention each position receives is summed over ALL the prompt's queries (the
+accumulated attention score of H2O); the `budget - window_size` positions before the recent window
+with the largest accumulated score (the heavy hitters) are kept, plus the last `window_size`
+positions (the recent tokens).
+
+How this relates to the original H2O: the paper's policy is decode-time and greedy. The cache has a
+fixed size (heavy-hitter part + recent part); at every generation step the new token's attention
+is added to each cached token's cumulative score and the lowest-scored non-recent token is evicted,
+one token at a time, so the kept set keeps changing while generating. This variant selects once,
+at prefill, from the prompt's accumulated attention and then never evicts (generated tokens are
+appended, as in SnapKV). It is the H2O that SnapKV's paper compares against on LongBench and the
+`H2OKVCluster` that KVCache-Factory runs (there with a recent window of 8). See docs/methods.md.
+
+Numerics: logits `q k^T / sqrt(d)` in the model dtype, causal mask, softmax in float32 (as the
+KVCache-Factory code), column sums accumulated in float32 (KVCache-Factory casts the
+probabilities back to the model dtype before summing; float32 accumulation only removes rounding).
+
+Memory: the queries are processed in blocks of `block_size` rows; a block only needs the keys up
+to its last row (causality), so the largest temporary is (B, Hq, block_size, L) float32 and no
+L x L matrix per head is ever materialized. The result is exact: each softmax row's normalizer
+only involves that row.
+
+GQA: queries keep their own heads; keys are shared by their query group without being copied.
+`gqa` then decides the layout of the kept cache as for every ScoredMethod.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from harness.errors import require
+from harness.methods.base import ScoredMethod
+from harness.methods.registry import register
+
+
+def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_size: int = 512) -> torch.Tensor:
+    """Column sums (B, Hq, L) of the causal softmax attention of all L queries, in float32.
+
+    queries: (B, Hq, L, d) after RoPE; keys: (B, Hkv, L, d) with Hq a multiple of Hkv. Rows are
+    processed `block_size` at a time against the keys they can see.
+    """
+    b, hq, length, d = queries.shape
+    hkv = keys.shape[1]
+    require(hq % hkv == 0, f"query heads ({hq}) are not a multiple of key heads ({hkv})")
+    require(block_size > 0, f"method.block_size={block_size} must be > 0")
+    groups = hq // hkv
+    scale = 1.0 / math.sqrt(d)
+    grouped_q = queries.view(b, hkv, groups, length, d)
+    totals = torch.zeros(b, hkv, groups, length, dtype=torch.float32, device=queries.device)
+    for start in range(0, length, block_size):
+        end = min(start + block_size, length)
+        q = grouped_q[:, :, :, start:end]  # (B, Hkv, G, n, d)
+        k = keys[:, :, None, :end]  # (B, Hkv, 1, end, d): shared by the group, not copied
+        logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, G, n, end), model dtype
+        rows = torch.arange(start, end, device=queries.device)
+        cols = torch.arange(end, device=queries.device)
+        future = cols[None, :] > rows[:, None]
+        logits = logits.masked_fill(future, torch.finfo(logits.dtype).min)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        totals[..., :end] += probs.sum(dim=-2)
+        del logits, probs
+    return totals.view(b, hq, length)
+
+
+@register
+@dataclass
+class H2O(ScoredMethod):
+    name = "h2o"
+    query_window = None  # every prompt query contributes to the accumulated score
+
+    budget: int | list[int] = 1024
+    window_size: int = 8
+    block_size: int = 512
+    gqa: str = "expand"
+
+    def validate(self, num_layers, max_positions):
+        super().validate(num_layers, max_positions)
+        require(self.block_size > 0, f"method.block_size={self.block_size} must be > 0")
+
+    def prefix_scores(self, queries, keys, layer_idx):
+        scores = accumulated_attention(queries, keys, block_size=self.block_size)
+        return scores[..., : keys.shape[-2] - self.window_size]
