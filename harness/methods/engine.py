@@ -133,6 +133,11 @@ def _after_attention(module, args, kwargs, output):
         raise HarnessError("compression needs use_cache=True: the attention module received no cache")
     layer = cache.layers[idx]
     keys, values = layer.keys, layer.values
+    if getattr(layer, "is_sliding", False) and layer.cumulative_length > keys.shape[-2]:
+        raise HarnessError(
+            f"layer {idx} uses a sliding window of {layer.sliding_window} tokens, shorter than the prompt; "
+            "compressing such layers is not supported (use a model config without sliding_window)"
+        )
     new_keys, new_values = state.method.compress(idx, state.num_layers, queries, keys, values)
     state.before[idx] = tuple(keys.shape[1:3])
     state.after[idx] = tuple(new_keys.shape[1:3])
@@ -140,6 +145,8 @@ def _after_attention(module, args, kwargs, output):
         if new_keys.shape[1] != keys.shape[1]:
             _mark_expanded(layer, new_keys.shape[1] // keys.shape[1])
         layer.keys, layer.values = new_keys.contiguous(), new_values.contiguous()
+        if getattr(layer, "is_sliding", False):  # its mask sizes follow the stored length
+            layer.cumulative_length = new_keys.shape[-2]
     return None
 
 
