@@ -4,7 +4,7 @@ Adding a method: write `harness/methods/<name>.py` (a dataclass registered with 
 add `conf/method/<name>.yaml`, import the module below, and add it to the method tests' table.
 """
 
-from harness.methods import full, snapkv  # noqa: F401  (registration side effect)
+from harness.methods import full, h2o, pyramidkv, snapkv, streamingllm  # noqa: F401  (registration side effect)
 from harness.methods.base import CompressionMethod, ScoredMethod
 from harness.methods.engine import compression
 from harness.methods.registry import METHODS, build_method

@@ -105,8 +105,13 @@ def _observing_attention(base_name: str):
                 state.pending_queries[module.layer_idx] = query
             elif window > 0:
                 state.pending_queries[module.layer_idx] = query[:, :, -window:].clone()
-            else:
-                state.pending_queries[module.layer_idx] = None
+            else:  # an empty view: the method still learns batch and query-head counts
+                state.pending_queries[module.layer_idx] = query[:, :, :0]
+        elif (state is not None and query.shape[2] == 1 and attention_mask is not None
+              and attention_mask.shape[-1] != key.shape[2]):
+            # The model builds one decode mask from one layer's cache length; layers compressed to other
+            # lengths (per-layer budgets) need their own. A single unpadded query sees every cached key.
+            attention_mask = None
         fn = _base_attention(module, base_name)
         if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
             module = _KeysPerQueryHead(module)

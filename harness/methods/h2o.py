@@ -19,9 +19,11 @@ KVCache-Factory code), column sums accumulated in float32 (KVCache-Factory casts
 probabilities back to the model dtype before summing; float32 accumulation only removes rounding).
 
 Memory: the queries are processed in blocks of `block_size` rows; a block only needs the keys up
-to its last row (causality), so the largest temporary is (B, Hq, block_size, L) float32 and no
-L x L matrix per head is ever materialized. The result is exact: each softmax row's normalizer
-only involves that row.
+to its last row (causality), so the largest temporaries are the block's logits (B, Hq, block_size,
+L) in the model dtype and their float32 softmax, about B * Hq * block_size * L * 6 bytes in bf16
+(32 heads, 32K tokens, block 512: ~3 GiB; lower `block_size` for longer prompts), and no L x L
+matrix per head is ever materialized. The result is exact for any block size: each softmax row's
+normalizer only involves that row.
 
 GQA: queries keep their own heads; keys are shared by their query group without being copied.
 `gqa` then decides the layout of the kept cache as for every ScoredMethod.
@@ -52,20 +54,17 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_si
     require(block_size > 0, f"method.block_size={block_size} must be > 0")
     groups = hq // hkv
     scale = 1.0 / math.sqrt(d)
-    grouped_q = queries.view(b, hkv, groups, length, d)
     totals = torch.zeros(b, hkv, groups, length, dtype=torch.float32, device=queries.device)
     for start in range(0, length, block_size):
         end = min(start + block_size, length)
-        q = grouped_q[:, :, :, start:end]  # (B, Hkv, G, n, d)
-        k = keys[:, :, None, :end]  # (B, Hkv, 1, end, d): shared by the group, not copied
-        logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, Hkv, G, n, end), model dtype
-        rows = torch.arange(start, end, device=queries.device)
-        cols = torch.arange(end, device=queries.device)
-        future = cols[None, :] > rows[:, None]
-        logits = logits.masked_fill(future, torch.finfo(logits.dtype).min)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        totals[..., :end] += probs.sum(dim=-2)
-        del logits, probs
+        n = end - start
+        q = queries[:, :, start:end].reshape(b, hkv, groups * n, d)  # a query group's rows stacked
+        logits = torch.matmul(q, keys[:, :, :end].transpose(-1, -2)) * scale  # model dtype; keys not copied
+        logits = logits.view(b, hkv, groups, n, end)
+        future = torch.ones(n, n, dtype=torch.bool, device=queries.device).triu(1)  # only the diagonal block
+        logits[..., start:end].masked_fill_(future, torch.finfo(logits.dtype).min)
+        totals[..., :end] += F.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=-2)
+        del logits
     return totals.view(b, hq, length)
 
 

@@ -2,13 +2,12 @@
 
 Per layer and head, once at prefill: keep the first `sink_tokens` positions of the prompt (the
 attention sinks) and its last `budget - sink_tokens` positions; drop everything in between. The
-kept set depends on positions only, so it is the same for every head and every layer, and no
-queries are needed (`query_window = 0`). This is the `StreamingLLMKVCluster` rule of
+kept set depends on positions only, so it is the same for every head and every layer and the
+ranking needs no queries. This is the `StreamingLLMKVCluster` rule of
 KVCache-Factory (sinks = 4, the rest of the budget as the recent window).
 
-Queries: the ranking needs none, but the engine hands `compress` no head counts, so with
-`gqa=expand` the last query (one row per layer, negligible) is kept only to learn how many query
-heads to expand to; with `mean`/`max` no queries are stored (`query_window = 0`).
+Queries: the ranking needs none (`query_window = 0`); the engine passes an empty query view, from
+which the batch size and the number of query heads are read.
 
 It is written as a `ScoredMethod`: the score of a position is its recency, with the sinks scored
 above every other position, so `topk(budget)` picks exactly sinks + the most recent tokens.
@@ -46,15 +45,12 @@ def sink_recent_scores(length: int, n_prefix: int, sink_tokens: int, *, batch: i
 @dataclass
 class StreamingLLM(ScoredMethod):
     name = "streamingllm"
-    query_window = 0  # positions only; 1 with gqa=expand, to learn the query-head count (see above)
+    query_window = 0  # positions only: the engine passes an empty query view (batch and head counts)
 
     budget: int | list[int] = 1024
     sink_tokens: int = 4
     window_size: int = 0
     gqa: str = "expand"
-
-    def __post_init__(self):
-        self.query_window = 1 if self.gqa == "expand" else 0
 
     def validate(self, num_layers, max_positions):
         super().validate(num_layers, max_positions)
@@ -71,5 +67,5 @@ class StreamingLLM(ScoredMethod):
 
     def prefix_scores(self, queries, keys, layer_idx):
         b, hkv, length, _ = keys.shape
-        heads = hkv if queries is None else queries.shape[1]  # mean/max reduce Hq scores to Hkv: same set
+        heads = queries.shape[1]  # per query head; mean/max reduce them to Hkv: the same set
         return sink_recent_scores(length, length - self.window_size, self.sink_tokens, batch=b, heads=heads, device=keys.device)
