@@ -1,9 +1,18 @@
-"""`python -m harness <hydra overrides>`: see conf/config.yaml and the README."""
+"""`python -m harness <hydra overrides>`: see conf/config.yaml, the README and docs/scaling.md."""
+
+import sys
 
 import hydra
 
 from harness import CONF_DIR
+from harness.app import EXIT_USER_ERROR
 from harness.app import main as run
+
+# Config groups whose unknown choices are reported here in one line (Hydra's own message is a
+# dozen lines: the options, then the config search path).
+CHECKED_GROUPS = {"model": "model", "method": "method", "task": "task", "experiment": "experiment"}
+# Options that change where configs come from: then Hydra alone decides what exists.
+SEARCH_PATH_OPTIONS = ("-cp", "--config-path", "-cd", "--config-dir", "-cn", "--config-name")
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
@@ -11,5 +20,37 @@ def main(cfg):
     run(cfg)
 
 
+def unknown_choice(args: list[str]) -> str | None:
+    """The `error: ...` line for a command-line choice of model/method/task/experiment that has no
+    conf/<group>/<name>.yaml, or None (also whenever the arguments are anything unusual: Hydra decides)."""
+    if any(a.split("=", 1)[0] in SEARCH_PATH_OPTIONS or "hydra.searchpath" in a for a in args):
+        return None
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001  (Hydra reports syntax errors itself)
+        return None
+    for override in parsed:
+        group = override.key_or_group
+        if group not in CHECKED_GROUPS or override.package is not None or override.is_delete():
+            continue
+        try:
+            names = list(override.sweep_string_iterator()) if override.is_sweep_override() else [override.get_value_element_as_str()]
+        except Exception:  # noqa: BLE001  (glob and range sweeps: Hydra expands them)
+            continue
+        folder = CONF_DIR / group
+        available = sorted(p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml"))
+        for name in names:
+            if name not in ("null", "None", "") and name not in available:
+                return f"error: unknown {CHECKED_GROUPS[group]} {name!r}; available: {', '.join(available) or 'none'}"
+    return None
+
+
 if __name__ == "__main__":
+    problem = unknown_choice(sys.argv[1:])
+    if problem:
+        print(problem, file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
     main()

@@ -1,7 +1,15 @@
 """The run recipe, top to bottom: validate, load, prepare the run directory, run the task, write results.
 
-User errors (HarnessError) become one line on stderr and exit status 2, before any result file is
-written; a run whose items partly failed exits with status 3 after writing everything it has.
+Everything that can be checked without the model is checked first (task options and data, method
+options against the model's config, the run directory: writable, no conflicting earlier run), so a
+bad input fails in seconds. User errors (HarnessError) become one line `error: ...` on stderr and exit
+status 2, and leave no result file behind (a run directory this run created is removed again).
+A run whose items partly failed writes everything it has, records the failures in failures.json and
+results.json, and exits with status 3.
+
+Under `--multirun` (any launcher) a job never ends its process: its user error or failed items are
+raised as a `JobFailed`, which Hydra reports as `Error executing job with overrides: [...]` followed
+by the `error: ...` line, after every job of the sweep has run; the sweep then exits with status 1.
 """
 
 from __future__ import annotations
@@ -12,20 +20,28 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+from hydra.errors import CompactHydraException
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from harness.errors import HarnessError
-from harness.rundir import RunDir, provenance
+from harness.rundir import RunDir, check_writable
 from harness.tasks import get_task
 
 log = logging.getLogger("harness")
 EXIT_USER_ERROR = 2
 EXIT_ITEM_FAILURES = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+
+
+class JobFailed(CompactHydraException):
+    """A multirun job's user error or failed items: Hydra prints the message alone (no traceback)."""
 
 
 def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -38,33 +54,52 @@ def run_dir_path() -> Path:
 
 
 def execute(cfg: DictConfig, run_path: Path) -> dict:
-    """Run one configured experiment into `run_path`; returns the results dict (also written to disk)."""
+    """Run one configured experiment into `run_path`; returns the results dict (also written to disk).
+
+    On a HarnessError nothing this run wrote is left behind unless an item had finished (that work
+    is kept for the next run); the error propagates."""
+    run_dir = RunDir(run_path)
+    try:
+        return _execute(cfg, run_dir)
+    except HarnessError:
+        run_dir.rollback()
+        raise
+
+
+def _execute(cfg: DictConfig, run_dir: RunDir) -> dict:
     task = get_task(cfg.task.name)
     task.validate(cfg.task)
-    seed_everything(int(cfg.seed))
+    resume = bool(cfg.resume)
     if hasattr(task, "prepare_and_run"):  # tasks that manage their own models (bench)
-        return task.prepare_and_run(cfg, RunDir(run_path))
+        seed_everything(int(cfg.seed))
+        return task.prepare_and_run(cfg, run_dir)
 
-    from harness.tasks.common import load_model_and_method
+    from harness.tasks.common import check_method, load_model_and_method
 
+    run_dir.check(cfg, resume=resume)  # before the model: unwritable folder, conflicting earlier run
+    check_method(cfg)  # before the model: bad budgets, windows, kernels
+    seed_everything(int(cfg.seed))
     loaded, method = load_model_and_method(cfg)
-    run_dir = RunDir(run_path)
-    run_dir.prepare(cfg, resume=bool(cfg.resume))
-    prov = provenance(int(cfg.seed), str(loaded.device))
+    run_dir.prepare(cfg, resume=resume, device=str(loaded.device))  # config.yaml, provenance.json
     started = time.time()
     out = task.run(cfg, loaded, method, run_dir, progress=bool(cfg.progress))
-    num_layers = len(__import__("harness.methods.engine", fromlist=["x"]).attention_modules(loaded.model))
+    from harness.methods.engine import attention_modules
+
+    num_layers = len(attention_modules(loaded.model))
+    failures = out.get("failures") or []
     results = {
         "schema": 1,
         "task": cfg.task.name,
+        "status": "items_failed" if failures else out["summary"].get("status", "complete"),
         "model": {"name": loaded.name, **loaded.info, "chat_format": loaded.chat_format, "eos_token_ids": loaded.eos_token_ids},
         "method": method.describe(num_layers),
         "method_tag": cfg.method.tag,
         "summary": out["summary"],
-        "failures": len(out.get("failures") or []),
+        "failures": len(failures),
+        "failed_items": [{k: v for k, v in f.items() if k != "traceback"} for f in failures],
         "rows": out.get("rows", []),
         "config": OmegaConf.to_container(cfg, resolve=True),
-        "provenance": {**prov, "wall_seconds": round(time.time() - started, 2)},
+        "provenance": {**run_dir.provenance, "wall_seconds": round(time.time() - started, 2)},
     }
     run_dir.write_results(results)
     return results
@@ -75,28 +110,56 @@ def main(cfg: DictConfig) -> None:
     from hydra.types import RunMode
 
     path = run_dir_path()
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         results = execute(cfg, path)
     except HarnessError as exc:
-        _remove_if_empty(path)
+        if multirun:
+            log.error("error: %s", exc)
+            raise JobFailed(f"error: {exc}") from None
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        if multirun:
+            raise
+        print(f"interrupted: finished items are kept in {path}; rerun the same command to resume", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     log.info("results: %s", path / "results.json")
     log.info("summary: %s", _short(results["summary"]))
-    if results.get("failures"):
-        log.error("%d item(s) failed; see %s", results["failures"], path / "failures.json")
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
-            sys.exit(EXIT_ITEM_FAILURES)
+    failed = int(results.get("failures") or 0)
+    if failed:
+        records = ", ".join(str(p) for p in sorted(path.glob("failures*.json"))) or str(path / "failures.json")
+        message = (f"error: {failed} item(s) failed (recorded in {records} and results.json); "
+                   "rerun the same command to retry exactly those items")
+        if multirun:
+            log.error("%s", message)
+            raise JobFailed(message)
+        print(message, file=sys.stderr)
+        sys.exit(EXIT_ITEM_FAILURES)
+
+
+class OutputCheck(Callback):
+    """Hydra callback (conf/config.yaml, hydra.callbacks): refuse an unwritable output folder with one
+    line and exit status 2, before Hydra itself tries to create it (which fails with a traceback)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        self._check(config, "hydra.sweep.dir")
+
+    def _check(self, config: DictConfig, key: str) -> None:
+        try:
+            folder = Path(str(OmegaConf.select(config, key)))
+        except Exception:  # noqa: BLE001  (an interpolation error: Hydra reports it itself)
+            return
+        try:
+            check_writable(folder)  # creates it, as Hydra would next; a run that fails validation removes it
+        except HarnessError as exc:
+            print(f"error: {str(exc).replace('hydra.run.dir', key)}", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
 
 
 def _short(summary: dict) -> str:
     keep = {k: v for k, v in summary.items() if not isinstance(v, (dict, list))}
     return ", ".join(f"{k}={v}" for k, v in keep.items())
-
-
-def _remove_if_empty(path: Path) -> None:
-    try:
-        if path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
-    except OSError:
-        pass

@@ -2,21 +2,28 @@
 
 - `config.yaml`: the resolved config. A rerun in the same directory compares against it and refuses
   when a key that changes results differs (unless `resume=false`, which starts the run afresh).
-- `provenance.json`: versions, git commit, seed, device, command line.
+- `provenance.json`: versions, git commit, seed, device, command line of this session, and of the
+  earlier sessions a resumed run was made of (`earlier_sessions`).
 - `*.jsonl`: per-item records, appended one line at a time and fsync'ed. On reopen a torn last line
   (a crash mid-write) is cut off, so resume finds exactly the items that were finished.
 - `results.json` and tables: written atomically (temporary file + rename) at the end.
+
+A run that stops on a user error before it finished any item leaves nothing behind: `rollback()`
+removes what `prepare()` wrote (and the directory, when that leaves it empty).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -25,8 +32,14 @@ from omegaconf import DictConfig, OmegaConf
 from harness import REPO_ROOT, __version__
 from harness.errors import HarnessError
 
-# Config keys that never change a run's results (paths, bookkeeping, launch settings).
+log = logging.getLogger(__name__)
+
+# Config keys that never change a run's results (paths, bookkeeping, launch settings). Everything else,
+# a key that only one of the two configs has included, must match for a rerun to resume a run directory.
 NON_RESULT_KEYS = ("resume", "hydra", "progress", "task.log_prompts", "task.shard", "model.device_map", "task.data_dir")
+SESSION_ID = uuid.uuid4().hex  # one per process: tells this session's provenance from earlier ones
+# Provenance fields that, when they change between the sessions of one resumed run, may change results.
+SESSION_KEYS = ("torch", "transformers", "python", "device", "cuda", "git")
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -41,8 +54,12 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def write_text(path: Path, text: str) -> None:
+    """Write text atomically (temporary file, fsync, rename)."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -73,9 +90,13 @@ class JsonlLog:
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
+                key = self.key(record)
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 raise HarnessError(f"{self.path}:{number} is not valid JSON; delete that line or rerun with resume=false") from None
-            self.records.setdefault(self.key(record), record)
+            except (KeyError, TypeError):
+                raise HarnessError(f"{self.path}:{number} is not a record with {', '.join(self.key_fields)}; "
+                                   "delete that line or rerun with resume=false") from None
+            self.records.setdefault(key, record)
 
     def __contains__(self, key) -> bool:
         return key in self.records
@@ -87,8 +108,8 @@ class JsonlLog:
         key = self.key(record)
         if key in self.records:
             return
-        line = json.dumps(record, ensure_ascii=False, default=str) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
+        line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode("utf-8")
+        with open(self.path, "ab") as f:  # one write of the whole line; a crash mid-write leaves no newline
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
@@ -105,6 +126,18 @@ def git_commit() -> dict:
         return {"commit": None, "dirty": None}
 
 
+def _versions(*names: str) -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def provenance(seed: int, device: str | None = None) -> dict:
     import torch
     import transformers
@@ -119,8 +152,12 @@ def provenance(seed: int, device: str | None = None) -> dict:
         "seed": seed,
         "device": device,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda_runtime": torch.version.cuda,
         "torch_threads": torch.get_num_threads(),
+        "packages": _versions("numpy", "hydra-core", "omegaconf", "accelerate", "kv-harness"),
         "argv": sys.argv,
+        "pid": os.getpid(),
+        "session": SESSION_ID,
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "git": git_commit(),
     }
@@ -144,36 +181,120 @@ def result_key_differences(old: dict, new: dict) -> list[str]:
     return [k for k in keys if not ignored(k) and a.get(k, "<absent>") != b.get(k, "<absent>")]
 
 
+def describe_differences(old: dict, new: dict, keys: list[str], limit: int = 6) -> str:
+    """`key: old -> new` for the first `limit` keys, on one line."""
+    a, b = _flatten(old), _flatten(new)
+
+    def short(value) -> str:
+        text = json.dumps(value, default=str) if value != "<absent>" else value
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    parts = [f"{k}: {short(a.get(k, '<absent>'))} -> {short(b.get(k, '<absent>'))}" for k in keys[:limit]]
+    more = f"; and {len(keys) - limit} more: {', '.join(keys[limit:limit + 10])}" if len(keys) > limit else ""
+    return "; ".join(parts) + more
+
+
+def check_writable(path: Path) -> None:
+    """Create `path` (and parents) and prove a file can be written there; a HarnessError otherwise."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise HarnessError(f"output folder {path} is not writable ({reason}); choose another with hydra.run.dir=<folder>") from None
+
+
 class RunDir:
     """A run directory: validated config, provenance, resumable logs, final results."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        self._existed: set[str] | None = None  # names present before prepare(); None until then
+        self._created_config = False
+        self.provenance: dict = {}  # this session's, once prepare() wrote it
 
-    def prepare(self, cfg: DictConfig, *, resume: bool, clear: Iterable[str] = ()) -> None:
-        """Create the directory, refuse a conflicting earlier config, record config and provenance."""
+    def check(self, cfg: DictConfig, *, resume: bool) -> None:
+        """Everything `prepare` would refuse, without writing anything: the folder is writable and does
+        not hold a run with a different config. Cheap; called before the model is loaded."""
+        check_writable(self.path)
+        stored = self.path / "config.yaml"
+        if not (stored.exists() and resume):
+            return
         resolved = OmegaConf.to_container(cfg, resolve=True)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / f".write-test-{os.getpid()}"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as exc:
-            raise HarnessError(f"output folder {self.path} is not writable ({exc.strerror}); choose another with hydra.run.dir=<folder>") from None
-        stored = self.path / "config.yaml"
-        if stored.exists() and resume:
             old = OmegaConf.to_container(OmegaConf.load(stored), resolve=False)
-            diff = result_key_differences(old, resolved)
-            if diff:
-                raise HarnessError(
-                    f"{self.path} holds a run with a different config ({', '.join(diff[:8])}{' ...' if len(diff) > 8 else ''}); "
-                    "use another run directory, or resume=false to start this one afresh"
-                )
+        except Exception as exc:  # noqa: BLE001  (a hand-edited or truncated file)
+            raise HarnessError(f"{stored} is not a readable config ({type(exc).__name__}); delete it or rerun with resume=false") from None
+        diff = result_key_differences(old, resolved)
+        if diff:
+            raise HarnessError(
+                f"{self.path} holds a run with a different config ({describe_differences(old, resolved, diff)}); "
+                "use another run directory (hydra.run.dir=<folder>), or resume=false to start this one afresh"
+            )
+
+    def prepare(self, cfg: DictConfig, *, resume: bool, clear: Iterable[str] = (), device: str | None = None) -> None:
+        """Create the directory, refuse a conflicting earlier config, record config and provenance.
+
+        With `resume=false` the earlier run's records (`*.jsonl`, results, failures and `clear`) are deleted.
+        """
+        self.check(cfg, resume=resume)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        stored = self.path / "config.yaml"
+        self._existed = {p.name for p in self.path.iterdir()}
+        self._created_config = not stored.exists()
         if not resume:
-            for pattern in ("*.jsonl", "results.json", *clear):
+            for pattern in ("*.jsonl", "results.json", "failures.json", *clear):
                 for f in self.path.glob(pattern):
-                    f.unlink()
+                    if f.is_file():
+                        f.unlink()
         write_text(stored, OmegaConf.to_yaml(resolved))
+        self.write_provenance(provenance(int(cfg.get("seed", 0)), device or _configured_device(cfg)), resume=resume)
+
+    def write_provenance(self, info: dict, *, resume: bool = True) -> Path:
+        """`provenance.json`: this session, plus the earlier sessions of a resumed run (warns when they
+        ran other versions or on another device: the resumed records then mix them)."""
+        path = self.path / "provenance.json"
+        earlier: list[dict] = []
+        if resume and path.exists():
+            try:
+                old = json.loads(path.read_text(encoding="utf-8"))
+                earlier = [*old.pop("earlier_sessions", []), old]
+            except (OSError, ValueError, AttributeError):
+                earlier = []
+        # The same process writing twice keeps one entry: its latest.
+        earlier = [e for e in earlier if e.get("session") != info.get("session")]
+        if earlier:
+            last = earlier[-1]
+            changed = [k for k in SESSION_KEYS if k in last and last.get(k) != info.get(k)]
+            if changed and self.has_records():
+                log.warning("resuming %s with a different %s than its previous session: its records mix both; "
+                            "see provenance.json (resume=false starts afresh)", self.path, ", ".join(changed))
+        write_json(path, {**info, "earlier_sessions": earlier[-20:]})
+        self.provenance = info
+        return path
+
+    def has_records(self) -> bool:
+        """Whether any per-item record (a non-empty .jsonl anywhere in the run directory) exists."""
+        try:
+            return any(p.is_file() and p.stat().st_size > 0 for p in self.path.rglob("*.jsonl"))
+        except OSError:
+            return False
+
+    def rollback(self) -> None:
+        """Undo `prepare()` after a user error, when this run started the directory and finished no
+        item: remove what it wrote, and the directory itself when that leaves it empty."""
+        if self._existed is not None and self._created_config and not self.has_records():
+            for entry in list(self.path.iterdir()):
+                if entry.name in self._existed:
+                    continue
+                try:
+                    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+                except OSError:
+                    pass
+        remove_if_empty(self.path)
 
     def log(self, name: str, key) -> JsonlLog:
         return JsonlLog(self.path / name, key)
@@ -182,3 +303,16 @@ class RunDir:
         path = self.path / "results.json"
         write_json(path, results)
         return path
+
+
+def _configured_device(cfg: DictConfig) -> str | None:
+    model = cfg.get("model")
+    return str(model.get("device")) if model is not None and model.get("device") is not None else None
+
+
+def remove_if_empty(path: Path) -> None:
+    try:
+        if Path(path).is_dir() and not any(Path(path).iterdir()):
+            Path(path).rmdir()
+    except OSError:
+        pass
