@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 # Config keys that never change a run's results (paths, bookkeeping, launch settings). Everything else,
 # a key that only one of the two configs has included, must match for a rerun to resume a run directory.
-NON_RESULT_KEYS = ("resume", "hydra", "progress", "task.log_prompts", "task.shard", "model.device_map", "task.data_dir")
+NON_RESULT_KEYS = (
+    "resume", "hydra", "progress", "task.log_prompts", "task.shard", "model.device_map", "task.data_dir",
+    "method.block_size",  # H2O: query rows per block while accumulating; the scores are exact for any size
+)
 SESSION_ID = uuid.uuid4().hex  # one per process: tells this session's provenance from earlier ones
 # Provenance fields that, when they change between the sessions of one resumed run, may change results.
 SESSION_KEYS = ("torch", "transformers", "python", "device", "cuda", "git")
