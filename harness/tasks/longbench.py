@@ -1,0 +1,411 @@
+"""LongBench (v1) and LongBench-E, with the official prompts, generation rules and scorers.
+
+`task=longbench`: the 16 English tasks by default, in the paper's column order (`task.datasets`
+selects, the 5 Chinese tasks included); `task=longbench_e`: the 13 LongBench-E tasks
+(`<name>_e.jsonl`), scored by length bucket. Rules (pred.py / eval.py, shared/reference/longbench.md):
+official template, middle truncation to the model's budget (`model.prompt_max_length`), chat
+formatting after truncation except trec/triviaqa/samsum/lsht/lcc/repobench-p, greedy decoding with
+`dataset2maxlen` new tokens and every EOS id, samsum also stops at "\\n" and may not stop on its first
+token; `task.min_new_tokens=true` applies that first-token guard to every task (SnapKV's pred_snap.py).
+
+Predictions stream to `pred/<task>.jsonl` (or `pred/<task>.shard<k>of<n>.jsonl` for shard k of n:
+item i of a task belongs to shard i % n), one line per item as it finishes; a rerun skips finished
+items. Scoring merges every shard file of the run directory, in item order, and refuses an
+incomplete set: the last shard to finish scores (see conf/task/longbench.yaml).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from harness.errors import HarnessError, require
+from harness.models import LoadedModel
+from harness.rundir import write_json, write_text
+from harness.tasks.common import generate, run_items
+from harness.tasks.longbench_data import (
+    RAW_TASKS,
+    build_prompt,
+    check_options,
+    data_source,
+    file_stem,
+    is_raw,
+    load_rows,
+    max_new_tokens,
+    newline_token_id,
+    render,
+    selected_datasets,
+    variant_suffix,
+)
+from metrics.longbench_config import load_dataset2prompt
+from metrics.longbench_tasks import LONGBENCH_E_BUCKETS, LONGBENCH_EN_TASKS, TASK_CATEGORIES, average_scores, task_category
+
+log = logging.getLogger(__name__)
+
+PRED_DIR = "pred"
+TABLE_FILE = "longbench_table.md"
+# Column headers of the papers' LongBench tables (SnapKV, PyramidKV, ...).
+SHORT_NAMES = {
+    "narrativeqa": "NrtvQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "hotpotqa": "HotpotQA",
+    "2wikimqa": "2WikiMQA", "musique": "Musique", "gov_report": "GovReport", "qmsum": "QMSum",
+    "multi_news": "MultiNews", "trec": "TREC", "triviaqa": "TriviaQA", "samsum": "SAMSum",
+    "passage_count": "PCount", "passage_retrieval_en": "PRe", "lcc": "Lcc", "repobench-p": "RB-P",
+    "multifieldqa_zh": "MF-zh", "dureader": "DuReader", "vcsum": "VCSum", "lsht": "LSHT",
+    "passage_retrieval_zh": "PRe-zh",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Validation (no model)
+# --------------------------------------------------------------------------------------------
+
+
+def validate(task: DictConfig) -> None:
+    """Options, dataset names, and every selected file read and checked row by row."""
+    variant_suffix(task.name)
+    check_options(task)
+    names = selected_datasets(task)
+    source = data_source(task)
+    for name in names:
+        load_rows(source, file_stem(task.name, name))
+
+
+@dataclass
+class Plan:
+    task_name: str
+    names: list[str]
+    rows: dict[str, list[dict]]  # selected rows per dataset (after task.limit), file order
+    shard_index: int
+    shard_count: int
+    source: str
+
+    @property
+    def benchmark(self) -> str:
+        return "LongBench-E" if variant_suffix(self.task_name) else "LongBench"
+
+
+def make_plan(task: DictConfig) -> Plan:
+    check_options(task)
+    names = selected_datasets(task)
+    source = data_source(task)
+    limit = task.get("limit")
+    rows = {n: load_rows(source, file_stem(task.name, n))[: limit or None] for n in names}
+    shard = task.get("shard") or {}
+    return Plan(task.name, names, rows, int(shard.get("index", 0)), int(shard.get("count", 1)), source.origin)
+
+
+def shard_items(n_items: int, index: int, count: int) -> list[int]:
+    """Item i of a task goes to shard i % count."""
+    return [i for i in range(n_items) if i % count == index]
+
+
+def pred_file(run_path: Path, name: str, index: int, count: int) -> Path:
+    suffix = "" if count == 1 else f".shard{index}of{count}"
+    return Path(run_path) / PRED_DIR / f"{name}{suffix}.jsonl"
+
+
+def failures_file(run_path: Path, index: int, count: int) -> Path:
+    return Path(run_path) / ("failures.json" if count == 1 else f"failures.shard{index}of{count}.json")
+
+
+# --------------------------------------------------------------------------------------------
+# Run
+# --------------------------------------------------------------------------------------------
+
+
+def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = True) -> dict:
+    task = cfg.task
+    plan = make_plan(task)
+    budget = loaded.prompt_max_length
+    require(isinstance(budget, int) and budget > 1,
+            f"model.prompt_max_length={budget!r}: LongBench needs the model's prompt budget in tokens (model2maxlen, e.g. 31500)")
+    k, n = plan.shard_index, plan.shard_count
+    (run_dir.path / PRED_DIR).mkdir(parents=True, exist_ok=True)
+    if not bool(cfg.get("resume", True)):  # a fresh start clears every shard's predictions
+        for f in (run_dir.path / PRED_DIR).glob("*.jsonl"):
+            f.unlink()
+
+    tok = loaded.tokenizer
+    templates = load_dataset2prompt()
+    guard_all = bool(task.get("min_new_tokens", False))
+    newline = newline_token_id(tok)
+    failures: list[dict] = []
+    for name in plan.names:
+        rows = plan.rows[name]
+        new_tokens = max_new_tokens(name)
+        stop_ids = [newline] if name == "samsum" else []
+        min_new = 1 if (name == "samsum" or guard_all) else 0
+        warned = []
+
+        def work(i, name=name, rows=rows, new_tokens=new_tokens, stop_ids=stop_ids, min_new=min_new, warned=warned):
+            row = rows[i]
+            prompt = build_prompt(name, row, tok, budget, templates)
+            text, ids = render(name, prompt.text, loaded)
+            if loaded.max_positions and len(ids) + new_tokens > loaded.max_positions and not warned:
+                warned.append(True)
+                log.warning("%s: a prompt of %d tokens + %d new tokens exceeds %s's %d positions (model.prompt_max_length=%d)",
+                            name, len(ids), new_tokens, loaded.name, loaded.max_positions, budget)
+            gen, kept = generate(loaded, method, ids, max_new_tokens=new_tokens, stop_token_ids=stop_ids, min_new_tokens=min_new)
+            tokens = gen.tokens[0]
+            record = {
+                "index": i,
+                "_id": row["_id"],
+                "pred": tok.decode(tokens, skip_special_tokens=True),  # not stripped, as pred.py
+                "answers": row["answers"],
+                "all_classes": row["all_classes"],
+                "length": row["length"],
+                "prompt_tokens": len(ids),
+                "raw_prompt_tokens": prompt.raw_tokens,
+                "truncated": prompt.truncated,
+                "chat_formatted": not is_raw(name),
+                "new_tokens": len(tokens),
+                "stopped_by": gen.stopped_by[0],
+                "prefill_seconds": round(gen.prefill_seconds, 4),
+                "decode_seconds": round(gen.decode_seconds, 4),
+                **kept,
+            }
+            if task.get("log_prompts"):
+                record["prompt"] = text
+            return record
+
+        pred_log = run_dir.log(str(pred_file(run_dir.path, name, k, n).relative_to(run_dir.path)), key="index")
+        desc = f"{name}" + (f" [shard {k}/{n}]" if n > 1 else "")
+        outcome = run_items(shard_items(len(rows), k, n), log_file=pred_log, key=lambda i: (i,), work=work, desc=desc,
+                            failures_path=None, progress=progress)
+        failures += [{"task": name, **f} for f in outcome.failures]
+        write_json(failures_file(run_dir.path, k, n), failures)  # this shard's failures so far, all tasks
+
+    merged, missing = collect(run_dir.path, plan)
+    rules = describe_rules(plan, loaded, budget, guard_all, newline)
+    if missing:
+        summary = incomplete_summary(plan, missing, rules, failures)
+        log.warning("%s", summary["message"])
+        return {"summary": summary, "rows": [], "failures": failures}
+    summary, rows = score(plan, merged, task, rules)
+    write_text(run_dir.path / TABLE_FILE, markdown_table(summary, loaded.name, str(cfg.method.tag)))
+    return {"summary": summary, "rows": rows, "failures": failures}
+
+
+# --------------------------------------------------------------------------------------------
+# Merging shards
+# --------------------------------------------------------------------------------------------
+
+
+def read_predictions(path: Path) -> list[dict]:
+    """Complete lines of a predictions file, read-only (another shard may be appending to it:
+    a torn last line is ignored here and repaired by its own shard's rerun)."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    data = data[: data.rfind(b"\n") + 1]
+    records = []
+    for number, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            raise HarnessError(f"{path}:{number} is not valid JSON; delete that line and rerun that shard") from None
+    return records
+
+
+def collect(run_path: Path, plan: Plan) -> tuple[dict[str, list[dict]], dict[str, dict[int, list[int]]]]:
+    """Every shard's predictions merged in item order; and the missing items, per task and shard."""
+    merged: dict[str, list[dict]] = {}
+    missing: dict[str, dict[int, list[int]]] = {}
+    for name in plan.names:
+        rows = plan.rows[name]
+        found: dict[int, dict] = {}
+        for s in range(plan.shard_count):
+            path = pred_file(run_path, name, s, plan.shard_count)
+            for rec in read_predictions(path):
+                i = rec.get("index")
+                if not isinstance(i, int) or not 0 <= i < len(rows) or i % plan.shard_count != s:
+                    continue  # an item beyond task.limit (or misplaced): not part of this set
+                if rec.get("_id") != rows[i]["_id"]:
+                    raise HarnessError(
+                        f"{path}: item {i} has _id {rec.get('_id')!r} but the data has {rows[i]['_id']!r}: these predictions "
+                        "were made on other data; use another run directory or resume=false")
+                found.setdefault(i, rec)
+        gaps = [i for i in range(len(rows)) if i not in found]
+        if gaps:
+            by_shard: dict[int, list[int]] = {}
+            for i in gaps:
+                by_shard.setdefault(i % plan.shard_count, []).append(i)
+            missing[name] = by_shard
+        else:
+            merged[name] = [found[i] for i in range(len(rows))]
+    return merged, missing
+
+
+def incomplete_summary(plan: Plan, missing: dict, rules: dict, failures: list) -> dict:
+    k, n = plan.shard_index, plan.shard_count
+    parts = []
+    for name, by_shard in missing.items():
+        for s, items in sorted(by_shard.items()):
+            head = ", ".join(map(str, items[:5])) + (" ..." if len(items) > 5 else "")
+            parts.append(f"{name} shard {s}/{n}: {len(items)} item(s) missing ({head})")
+    pending = sorted({s for by in missing.values() for s in by})
+    own_failed = k in pending
+    if n > 1 and not own_failed:
+        message = (f"shard {k}/{n} done; not scored yet: shard(s) {', '.join(map(str, pending))} of {n} unfinished. "
+                   f"The last shard to finish scores the merged set: run the missing shard(s) into this run directory "
+                   f"(same command with task.shard.index=<k> task.shard.count={n}); rerunning any finished shard "
+                   f"skips its items and scores")
+    else:
+        message = (f"{len(failures)} item(s) failed (see {failures_file(Path('.'), k, n).name}); not scored. "
+                   f"Rerun the same command: finished items are skipped, failed ones retried, then the set is scored")
+    return {
+        "benchmark": plan.benchmark,
+        "status": "incomplete",
+        "message": message,
+        "missing": parts,
+        "shard": {"index": k, "count": n},
+        "tasks": plan.names,
+        "rules": rules,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring
+# --------------------------------------------------------------------------------------------
+
+
+def describe_rules(plan: Plan, loaded: LoadedModel, budget: int, guard_all: bool, newline: int) -> dict:
+    half = int(budget / 2)
+    return {
+        "chat_format": loaded.chat_format,
+        "chat_tasks": [t for t in plan.names if not is_raw(t)],
+        "raw_tasks": [t for t in plan.names if is_raw(t)],
+        "raw_task_rule": f"never chat-formatted (pred.py): {', '.join(RAW_TASKS)}",
+        "truncation": {"mode": "middle", "budget_tokens": budget, "keep_head_tokens": half, "keep_tail_tokens": half,
+                       "counted": "raw prompt tokens, special tokens included"},
+        "min_new_tokens": "all tasks (SnapKV pred_snap.py)" if guard_all else "samsum only (official pred.py)",
+        "min_new_tokens_all_tasks": guard_all,
+        "decoding": "greedy",
+        "max_new_tokens": {t: max_new_tokens(t) for t in plan.names},
+        "eos_token_ids": list(loaded.eos_token_ids),
+        "samsum_stop_token_id": newline,
+        "prompt_source": "metrics/data/longbench/dataset2prompt.json",
+        "data_source": plan.source,
+    }
+
+
+def _mean(values) -> float | None:
+    values = list(values)
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def _nan_to_none(x: float):
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
+def score(plan: Plan, merged: dict[str, list[dict]], task: DictConfig, rules: dict) -> tuple[dict, list[dict]]:
+    from metrics.longbench import scorer, scorer_e
+
+    backend = str(task.get("code_sim_backend", "difflib"))
+    scores, buckets, rows = {}, {}, []
+    for name in plan.names:
+        recs = merged[name]
+        preds = [r["pred"] for r in recs]
+        answers = [r["answers"] for r in recs]
+        all_classes = recs[-1]["all_classes"]  # eval.py keeps the last line's
+        scores[name] = scorer(name, preds, answers, all_classes, code_sim_backend=backend)
+        row = {
+            "task": name,
+            "category": task_category(name),
+            "score": scores[name],
+            "items": len(recs),
+            "truncated": sum(bool(r.get("truncated")) for r in recs),
+            "chat_formatted": not is_raw(name),
+            "mean_prompt_tokens": _mean(r["prompt_tokens"] for r in recs),
+            "mean_new_tokens": _mean(r["new_tokens"] for r in recs),
+            "prefill_seconds": round(sum(r["prefill_seconds"] for r in recs), 3),
+            "decode_seconds": round(sum(r["decode_seconds"] for r in recs), 3),
+        }
+        if plan.benchmark == "LongBench-E":
+            by_bucket = scorer_e(name, preds, answers, [r["length"] for r in recs], all_classes, code_sim_backend=backend)
+            buckets[name] = {b: _nan_to_none(v) for b, v in by_bucket.items()}
+            row["buckets"] = buckets[name]
+            row["bucket_items"] = {b: sum(1 for r in recs if _bucket(r["length"]) == b) for b in LONGBENCH_E_BUCKETS}
+        rows.append(row)
+
+    averages = average_scores(scores)
+    en16 = [t for t in LONGBENCH_EN_TASKS if t in scores]
+    is_paper_set = plan.benchmark == "LongBench" and plan.names == list(LONGBENCH_EN_TASKS)
+    if is_paper_set:
+        note = "unweighted mean over the paper's 16 English tasks"
+    else:
+        note = (f"unweighted mean over the {len(scores)} task(s) run; NOT the papers' 16-task average"
+                + (f" ({len(en16)} of the 16 English tasks)" if plan.benchmark == "LongBench" else ""))
+    total = sum(r["items"] for r in rows)
+    seconds = sum(r["prefill_seconds"] + r["decode_seconds"] for r in rows)
+    summary = {
+        "benchmark": plan.benchmark,
+        "status": "complete",
+        "tasks": plan.names,
+        "scores": scores,
+        "average": averages["average"],
+        "n_tasks": averages["n_tasks"],
+        "all_16_en_tasks": is_paper_set,
+        "average_note": note,
+        "categories": averages["categories"],
+        "items": {r["task"]: r["items"] for r in rows},
+        "total_items": total,
+        "limit": task.get("limit"),
+        "code_sim_backend": backend,
+        "rules": rules,
+        "truncated_items": {r["task"]: r["truncated"] for r in rows},
+        "shards_merged": plan.shard_count,
+        "model_seconds_per_item": round(seconds / total, 4) if total else None,
+    }
+    if plan.benchmark == "LongBench-E":
+        summary["bucket_scores"] = buckets
+        summary["bucket_average"] = {
+            b: (round(sum(v) / len(v), 2) if (v := [buckets[t][b] for t in plan.names if buckets[t][b] is not None]) else None)
+            for b in LONGBENCH_E_BUCKETS
+        }
+        summary["scores_note"] = "scores: one score per task over all its items (scorer); bucket_scores: the official LongBench-E numbers (scorer_e)"
+    return summary, rows
+
+
+def _bucket(length: int) -> str:
+    return "0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def markdown_table(summary: dict, model: str, method_tag: str) -> str:
+    names = summary["tasks"]
+    rules = summary["rules"]
+    lines = [f"# {summary['benchmark']}: {model} · {method_tag}", ""]
+    if summary["benchmark"] == "LongBench-E":
+        lines += ["| Task | " + " | ".join(LONGBENCH_E_BUCKETS) + " | All |", "|---|" + "---:|" * (len(LONGBENCH_E_BUCKETS) + 1)]
+        for t in names:
+            b = summary["bucket_scores"][t]
+            lines.append(f"| {SHORT_NAMES.get(t, t)} | " + " | ".join(_fmt(b[k]) for k in LONGBENCH_E_BUCKETS) + f" | {_fmt(summary['scores'][t])} |")
+        avg = summary["bucket_average"]
+        lines.append("| **Avg.** | " + " | ".join(_fmt(avg[k]) for k in LONGBENCH_E_BUCKETS) + f" | {_fmt(summary['average'])} |")
+    else:
+        lines += ["| Method | " + " | ".join(SHORT_NAMES.get(t, t) for t in names) + " | Avg. |",
+                  "|---|" + "---:|" * (len(names) + 1),
+                  f"| {method_tag} | " + " | ".join(_fmt(summary["scores"][t]) for t in names) + f" | {_fmt(summary['average'])} |"]
+    cats = summary["categories"]
+    lines += ["", "| " + " | ".join(c for c in TASK_CATEGORIES if c in cats) + " |", "|" + "---:|" * len(cats),
+              "| " + " | ".join(_fmt(cats[c]) for c in TASK_CATEGORIES if c in cats) + " |", ""]
+    lines += [
+        f"- Avg.: {summary['average_note']}.",
+        f"- Items: {summary['total_items']} ({', '.join(f'{t} {c}' for t, c in summary['items'].items())})"
+        + (f"; task.limit={summary['limit']}" if summary.get("limit") else "") + ".",
+        f"- Chat format: {rules['chat_format']} on {len(rules['chat_tasks'])} task(s); raw: {', '.join(rules['raw_tasks']) or 'none'}.",
+        f"- Middle truncation budget: {rules['truncation']['budget_tokens']} tokens; first-token guard: {rules['min_new_tokens']}.",
+        f"- code_sim backend: {summary['code_sim_backend']}.",
+    ]
+    return "\n".join(lines) + "\n"
