@@ -1,0 +1,307 @@
+"""`python -m harness.report`: tables from synthetic results.json files shaped as the tasks write them
+(LongBench: harness/app.py + tasks/longbench.py; needle: app.py + tasks/needle.py; bench: tasks/bench.py)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.report import PAPER_CLAIMS, PAPER_TABLE, build, length_bucket, load_paper_table, method_setting, paper_average
+from metrics.longbench_tasks import LONGBENCH_EN_TASKS
+
+REPO = Path(__file__).resolve().parents[1]
+PAPER = load_paper_table()
+
+SNAPKV_PAPER = {"name": "snapkv", "budget": 1024, "window_size": 32, "kernel_size": 7, "pooling": "maxpool", "gqa": "expand",
+                "layer_budgets": [1024] * 32}
+H2O_4096 = {"name": "h2o", "budget": 4096, "window_size": 8, "block_size": 512, "gqa": "expand"}
+FULL = {"name": "full"}
+
+
+def longbench_results(model: str, method: dict, scores: dict[str, float], *, chat_format="none", guard=True, backend="difflib",
+                      limit=None, random_weights=False, path=None, tag=None, status="complete") -> dict:
+    tasks = list(scores)
+    all16 = tasks == list(LONGBENCH_EN_TASKS)
+    summary = {
+        "benchmark": "LongBench", "status": status, "tasks": tasks, "scores": scores,
+        "average": round(sum(scores.values()) / len(scores), 2) if scores else None, "n_tasks": len(scores),
+        "all_16_en_tasks": all16, "limit": limit, "code_sim_backend": backend, "total_items": 200 * len(scores),
+        "rules": {"chat_format": chat_format, "min_new_tokens_all_tasks": guard, "data_source": "hub:THUDM/LongBench/data.zip",
+                  "truncation": {"mode": "middle", "budget_tokens": 31500}},
+    }
+    if status != "complete":
+        summary = {"benchmark": "LongBench", "status": status, "message": "shard 0/2 done", "tasks": tasks, "rules": summary["rules"]}
+    return {
+        "schema": 1, "task": "longbench", "status": status,
+        "model": {"name": model, "source": "hub", "random_weights": random_weights, "location": path, "chat_format": chat_format},
+        "method": method, "method_tag": tag or method["name"], "summary": summary, "failures": 0, "failed_items": [],
+        "rows": [], "config": {"model": {"name": model, "random_weights": random_weights, "path": path}, "task": {"name": "longbench"}},
+        "provenance": {"device": "cuda:0", "cuda": "NVIDIA H100 80GB HBM3"},
+    }
+
+
+def write(folder: Path, rel: str, data: dict) -> Path:
+    d = folder / rel
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "results.json").write_text(json.dumps(data), encoding="utf-8")
+    return d
+
+
+def read_csv(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def test_paper_data_files():
+    assert PAPER_TABLE.exists() and PAPER_CLAIMS.exists() and (PAPER_TABLE.parent / "SOURCE.md").exists()
+    assert len(PAPER) == 20
+    # the unweighted 16-task means quoted in shared/reference/snapkv.md
+    assert paper_average(PAPER[("Mistral-7B-Instruct-v0.2", "All KV")]) == 42.56
+    assert paper_average(PAPER[("Mistral-7B-Instruct-v0.2", "SnapKV 1024")]) == 41.45
+    assert paper_average(PAPER[("Mistral-7B-Instruct-v0.2", "H2O 4096")]) == 40.45
+    ids = {r["id"] for r in read_csv(PAPER_CLAIMS)}
+    assert {"decode_speedup_16k", "max_length_ratio", "needle_max_length", "needle_full_oom"} <= ids
+
+
+def test_method_setting_labels_and_paper_match():
+    assert method_setting(FULL) == ("All KV", "All KV")
+    assert method_setting(SNAPKV_PAPER) == ("SnapKV 1024", "SnapKV 1024")
+    assert method_setting(H2O_4096) == ("H2O 4096 (W8)", "H2O 4096")  # the paper does not state its window
+    label, paper = method_setting({**SNAPKV_PAPER, "window_size": 8})  # PyramidKV's setup: another setting
+    assert paper is None and label == "SnapKV 1024 (W8 k7 maxpool)"
+    assert method_setting({**SNAPKV_PAPER, "gqa": "mean"})[1] is None
+    assert method_setting({**SNAPKV_PAPER, "budget": [512, 1024]})[1] is None
+
+
+def test_longbench_table_paper_columns_and_deltas(tmp_path):
+    runs = tmp_path / "runs"
+    mistral_full = {t: v + 1.0 for t, v in PAPER[("Mistral-7B-Instruct-v0.2", "All KV")].items()}
+    write(runs, "lb/mistral/full", longbench_results("mistral-7b-instruct-v0.2", FULL, mistral_full, tag="full"))
+    snap = dict(PAPER[("Mistral-7B-Instruct-v0.2", "SnapKV 1024")])
+    snap["qasper"] -= 2.0
+    write(runs, "lb/mistral/snapkv", longbench_results("mistral-7b-instruct-v0.2", SNAPKV_PAPER, snap, tag="snapkv_c1024_w32"))
+    # matched by the hub path's basename, not our config name
+    lwm = dict(PAPER[("LWM-Text-Chat-1M", "H2O 4096")])
+    write(runs, "lb/lwm/h2o", longbench_results("my-lwm", H2O_4096, lwm, chat_format="inst", path="LargeWorldModel/LWM-Text-Chat-1M",
+                                                tag="h2o_c4096_w8"))
+    # not the paper's settings / data: no paper number, or no delta
+    write(runs, "lb/mistral/snapkv_w8", longbench_results("mistral-7b-instruct-v0.2", {**SNAPKV_PAPER, "window_size": 8}, snap,
+                                                          tag="snapkv_c1024_w8"))
+    write(runs, "lb/mistral/full_limit", longbench_results("mistral-7b-instruct-v0.2", FULL, mistral_full, limit=20, tag="full"))
+    write(runs, "lb/lwm/random", longbench_results("lwm-text-chat-1m", FULL, mistral_full, random_weights=True, tag="full"))
+    subset = {t: 10.0 for t in ("qasper", "hotpotqa")}
+    write(runs, "lb/mistral/subset", longbench_results("mistral-7b-instruct-v0.2", FULL, subset, tag="full"))
+    write(runs, "lb/mistral/unscored", longbench_results("mistral-7b-instruct-v0.2", FULL, {}, tag="full", status="incomplete"))
+
+    out = tmp_path / "tables"
+    written = build(runs, out)
+    rows = read_csv(out / "longbench.csv")
+    by_run = {r["run"]: r for r in rows}
+    assert len(rows) == 7 and "lb/mistral/unscored" not in by_run
+
+    full = by_run["lb/mistral/full"]
+    assert full["setting"] == "All KV" and full["paper_model"] == "Mistral-7B-Instruct-v0.2"
+    assert float(full["paper_avg"]) == 42.56 and float(full["avg"]) == 43.56 and float(full["delta_avg"]) == 1.0
+    snap_row = by_run["lb/mistral/snapkv"]
+    assert snap_row["setting"] == "SnapKV 1024" and float(snap_row["paper_avg"]) == 41.45
+    assert float(snap_row["delta_avg"]) == pytest.approx(-0.12, abs=0.011)
+    h2o = by_run["lb/lwm/h2o"]
+    assert h2o["paper_model"] == "LWM-Text-Chat-1M" and h2o["paper_setting"] == "H2O 4096" and float(h2o["delta_avg"]) == 0.0
+
+    assert by_run["lb/mistral/snapkv_w8"]["paper_avg"] == "" and by_run["lb/mistral/snapkv_w8"]["delta_avg"] == ""
+    assert by_run["lb/mistral/snapkv_w8"]["setting"] == "SnapKV 1024 (W8 k7 maxpool)"
+    assert by_run["lb/mistral/full_limit"]["paper_avg"] == "42.56" and by_run["lb/mistral/full_limit"]["delta_avg"] == ""
+    assert "task.limit=20" in by_run["lb/mistral/full_limit"]["note"]
+    assert by_run["lb/lwm/random"]["paper_model"] == "" and by_run["lb/lwm/random"]["paper_avg"] == ""
+    assert by_run["lb/mistral/subset"]["delta_avg"] == "" and "2 task(s)" in by_run["lb/mistral/subset"]["note"]
+
+    md = (out / "longbench.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| Model"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    # the paper's 16 columns in its order, then the average, the paper's and the delta
+    task_cols = cols[cols.index("NrtvQA"):cols.index("RB-P") + 1]
+    assert task_cols == ["NrtvQA", "Qasper", "MF-en", "HotpotQA", "2WikiMQA", "Musique", "GovReport", "QMSum", "MultiNews",
+                         "TREC", "TriviaQA", "SAMSum", "PCount", "PRe", "Lcc", "RB-P"]
+    assert cols[-3:] == ["Avg.", "Paper Avg.", "Δ"]
+    for rule in ("Chat", "1st-token guard", "code_sim", "GQA", "Limit", "Random weights"):  # limit and weights vary here
+        assert rule in cols
+    assert "| mistral-7b-instruct-v0.2 | All KV | none | all tasks | difflib | - |" in md and "+1.00" in md
+
+    vs = read_csv(out / "longbench_vs_paper.csv")
+    snap_vs = next(r for r in vs if r["run"] == "lb/mistral/snapkv")
+    assert float(snap_vs["qasper"]) == -2.0 and float(snap_vs["narrativeqa"]) == 0.0
+    assert "longbench.md" in written["sections"] and "longbench_vs_paper.md" in written["sections"]
+
+    runs_table = {r["run"]: r for r in read_csv(out / "runs.csv")}
+    assert runs_table["lb/mistral/unscored"]["tables"] == "" and "not scored" in runs_table["lb/mistral/unscored"]["note"]
+
+
+def test_longbench_rules_never_share_a_row(tmp_path):
+    runs = tmp_path / "runs"
+    scores = dict(PAPER[("Mistral-7B-Instruct-v0.2", "All KV")])
+    write(runs, "a", longbench_results("mistral-7b-instruct-v0.2", FULL, scores, chat_format="none", tag="full"))
+    write(runs, "b", longbench_results("mistral-7b-instruct-v0.2", FULL, scores, chat_format="inst", tag="full"))
+    write(runs, "c", longbench_results("mistral-7b-instruct-v0.2", FULL, scores, guard=False, tag="full"))
+    write(runs, "d", longbench_results("mistral-7b-instruct-v0.2", FULL, scores, backend="levenshtein", tag="full"))
+    write(runs, "e", longbench_results("mistral-7b-instruct-v0.2", SNAPKV_PAPER, scores, tag="snapkv_expand"))
+    write(runs, "f", longbench_results("mistral-7b-instruct-v0.2", {**SNAPKV_PAPER, "gqa": "mean"}, scores, tag="snapkv_mean"))
+    write(runs, "g", longbench_results("mistral-7b-instruct-v0.2", FULL, scores, tag="full"))  # same key as "a"
+    build(runs, tmp_path / "out")
+    rows = {r["run"]: r for r in read_csv(tmp_path / "out" / "longbench.csv")}
+    assert len(rows) == 7
+    assert {rows[k]["chat_format"] for k in "ab"} == {"none", "inst"}
+    assert rows["c"]["first_token_guard"] == "samsum only" and rows["a"]["first_token_guard"] == "all tasks"
+    assert rows["d"]["code_sim"] == "levenshtein"
+    assert (rows["e"]["gqa"], rows["f"]["gqa"]) == ("expand", "mean")
+    assert rows["e"]["paper_setting"] == "SnapKV 1024" and rows["f"]["paper_setting"] == ""
+    # identical keys are both kept and flagged, never merged
+    assert "same key as another run" in rows["a"]["note"] and "same key as another run" in rows["g"]["note"]
+    assert "same key" not in rows["b"]["note"]
+    md = (tmp_path / "out" / "longbench.md").read_text()
+    assert "| inst |" in md and "| samsum only |" in md and "| levenshtein |" in md and "| mean |" in md
+
+
+def needle_results(model: str, method: dict, tag: str, cells: list[tuple[int, float, float, bool]], failed=()) -> dict:
+    rows = [{"length": n, "depth": d, "score": s, "keyword_recall": s, "strict": ok, "rouge1_f": s, "response": "..."}
+            for n, d, s, ok in cells]
+    return {
+        "schema": 1, "task": "needle", "status": "items_failed" if failed else "complete",
+        "model": {"name": model, "random_weights": False, "chat_format": "inst"}, "method": method, "method_tag": tag,
+        "summary": {"score_name": "keyword_recall", "mean_score": None, "cells": len(rows)},
+        "failures": len(failed), "failed_items": [{"desc": "needle cells", "key": [n, d], "error": "OutOfMemoryError: CUDA", "oom": True}
+                                                  for n, d in failed],
+        "rows": rows, "config": {"task": {"name": "needle", "prompt_style": "chat"}, "model": {"name": model}},
+        "provenance": {"device": "cuda:0", "cuda": "NVIDIA A100-SXM4-80GB"},
+    }
+
+
+def test_needle_summary_buckets_oom_and_heatmaps(tmp_path):
+    runs = tmp_path / "runs"
+    snap = {"name": "snapkv", "budget": 1024, "window_size": 16, "kernel_size": 5, "pooling": "maxpool", "gqa": "expand"}
+    cells = [(1000, 0, 1.0, True), (1000, 50, 1.0, True), (9603, 0, 1.0, True), (9603, 50, 0.5, False),
+             (164460, 0, 0.0, False), (164460, 50, 1.0, True)]
+    write(runs, "needle/lwm/snapkv", needle_results("lwm-text-chat-1m", snap, "snapkv_c1024_w16_k5", cells))
+    full_cells = [(1000, 0, 1.0, True), (1000, 50, 1.0, True), (9603, 0, 1.0, True), (9603, 50, 1.0, True)]
+    d = write(runs, "needle/lwm/full", needle_results("lwm-text-chat-1m", FULL, "full", full_cells,
+                                                       failed=[(35413, 0), (35413, 50), (44016, 0)]))
+    (d / "needle_heatmap.png").write_bytes(b"\x89PNG fake")  # an existing heatmap is copied as is
+    out = tmp_path / "tables"
+    build(runs, out)
+    rows = {r["run"]: r for r in read_csv(out / "needle.csv")}
+    s = rows["needle/lwm/snapkv"]
+    assert s["setting"] == "SnapKV 1024 (W16 k5 maxpool)" and s["cells"] == "6"
+    assert float(s["bucket ≤1K"]) == 1.0 and float(s["bucket 8K-16K"]) == 0.75 and float(s["bucket 128K-256K"]) == 0.5
+    assert float(s["mean_score"]) == pytest.approx(0.75) and float(s["strict_accuracy"]) == pytest.approx(4 / 6, abs=1e-4)
+    assert s["longest_all_strict"] == "1000" and s["max_length_done"] == "164460"
+    f = rows["needle/lwm/full"]
+    assert f["failed_cells"] == "3" and f["first_oom_length"] == "35413" and f["longest_all_strict"] == "9603"
+    assert f["bucket 128K-256K"] == ""
+    heatmaps = sorted(p.name for p in (out / "needle").glob("*.png"))
+    assert len(heatmaps) == 2
+    assert (out / "needle" / Path(f["heatmap"]).name).read_bytes() == b"\x89PNG fake"
+    assert (out / "needle" / Path(s["heatmap"]).name).read_bytes()[:4] == b"\x89PNG"  # re-rendered from the rows
+    assert (out / "needle_by_length.png").exists()
+    md = (out / "needle.md").read_text()
+    assert "3 (35413, OOM)" in md and "8K-16K" in md
+    claims = {r["id"]: r for r in read_csv(out / "claims.csv")}
+    assert claims["needle_full_oom"]["ours"] == "first out-of-memory cell at 35413 tokens"
+    assert claims["needle_full_oom"]["device"] == "NVIDIA A100-SXM4-80GB"
+    assert claims["needle_max_length"]["ours"] == "longest prompt done 164460 tokens"  # the paper's needle preset
+    assert claims["needle_retrieval"]["ours"].startswith("all depths correct up to 1000")
+    assert length_bucket(1024) == (1024, "≤1K") and length_bucket(1025) == (2048, "1K-2K") and length_bucket(379538)[1] == "256K-512K"
+
+
+def bench_results(model: str, batch: int, by_method: dict, methods: list[dict], search: dict | None = None, random_weights=True) -> dict:
+    return {
+        "schema": 1, "task": "bench", "model": {"name": model, "random_weights": random_weights}, "methods": methods,
+        "summary": {"isolation": "none", "by_method": by_method}, "failures": 0, "rows": [], "search": search,
+        "config": {"task": {"name": "bench", "batch_size": batch, "decode_tokens": 64}, "model": {"name": model}},
+        "provenance": {"device": "cuda:0", "cuda": "NVIDIA H100 80GB HBM3", "isolation": "none"},
+    }
+
+
+def _m(decode, kv, peak, full=None):
+    e = {"prefill_s": 1.0, "compress_s": 0.01, "decode_median_ms": decode, "decode_p90_ms": decode * 1.1, "kv_bytes": kv,
+         "peak_increase_bytes": peak}
+    if full:
+        e.update(decode_vs_full=round(decode / full[0], 4), kv_full_over_this=round(full[1] / kv, 4), peak_vs_full=round(peak / full[2], 4))
+    else:
+        e.update(decode_vs_full=1.0, kv_full_over_this=1.0, peak_vs_full=1.0)
+    return e
+
+
+def test_efficiency_ratios_max_length_and_claims(tmp_path):
+    runs = tmp_path / "runs"
+    MB = 1024 * 1024
+    methods = [{"label": "full", "name": "full"},
+               {"label": "snapkv-c2048", "name": "snapkv", "budget": 2048, "window_size": 32, "kernel_size": 7, "pooling": "maxpool", "gqa": "expand"}]
+    full8, full16 = (60.0, 4096 * MB, 5000 * MB), (108.0, 8192 * MB, 9000 * MB)
+    by_method = {
+        "full": {"8192": _m(*full8), "16384": _m(*full16)},
+        "snapkv-c2048": {"8192": _m(30.0, 1024 * MB, 2500 * MB, full8), "16384": _m(30.0, 1024 * MB, 3000 * MB, full16)},
+    }
+    write(runs, "speed/lwm/decode_b2", bench_results("lwm-text-chat-1m", 2, by_method, methods))
+    search = {"memory_cap_gb": 80.0, "upper": 1048576, "methods": {
+        "full": {"max_length": 16384, "first_failure": 17408, "reached_upper": False, "vs_full": 1.0},
+        "snapkv-c2048": {"max_length": 134144, "first_failure": 135168, "reached_upper": False, "vs_full": 8.1875}}}
+    write(runs, "speed/lwm/maxlen", bench_results("lwm-text-chat-1m", 2, {}, methods, search))
+    out = tmp_path / "tables"
+    build(runs, out)
+    rows = read_csv(out / "efficiency.csv")
+    snap16 = next(r for r in rows if r["method"] == "snapkv-c2048" and r["length"] == "16384")
+    assert float(snap16["decode_speedup_vs_full"]) == pytest.approx(3.6, abs=1e-3)
+    assert float(snap16["kv_full_over_this"]) == 8.0 and float(snap16["kv_mb"]) == 1024.0
+    assert float(snap16["peak_vs_full"]) == pytest.approx(3000 / 9000, abs=1e-4)
+    assert snap16["device"] == "NVIDIA H100 80GB HBM3" and snap16["batch"] == "2" and snap16["setting"] == "SnapKV 2048"
+    full16_row = next(r for r in rows if r["method"] == "full" and r["length"] == "16384")
+    assert float(full16_row["decode_speedup_vs_full"]) == 1.0
+    maxlen = read_csv(out / "max_length.csv")
+    assert {r["method"]: r["max_length"] for r in maxlen} == {"full": "16384", "snapkv-c2048": "134144"}
+    md = (out / "efficiency.md").read_text()
+    assert "3.60x" in md and "8.19x" in md and "8.00x" in md
+    claims = {r["id"]: r for r in read_csv(out / "claims.csv")}
+    assert claims["decode_speedup_16k"]["ours"].startswith("3.60x (full 0.108 s/tok, SnapKV 0.030 s/tok)")
+    assert claims["decode_speedup_16k"]["paper_ratio"] == "3.6"
+    assert claims["max_length_ratio"]["ours"].startswith("8.19x (full 16384, SnapKV 134144")
+    assert claims["needle_max_length"]["ours"] == "not measured"
+
+
+def test_cli_writes_next_to_the_papers_files_without_touching_them(tmp_path):
+    runs = tmp_path / "runs"
+    write(runs, "lb/full", longbench_results("mistral-7b-instruct-v0.2", FULL, dict(PAPER[("Mistral-7B-Instruct-v0.2", "All KV")])))
+    (runs / "broken").mkdir()
+    (runs / "broken" / "results.json").write_text("{not json")
+    target = tmp_path / "results" / "paper"
+    target.mkdir(parents=True)
+    keep = {name: f"reference {name}" for name in ("longbench_table1.csv", "paper_claims.csv", "SOURCE.md", "notes.txt")}
+    for name, text in keep.items():
+        (target / name).write_text(text)
+    (target / "needle.md").write_text("stale table")  # from an earlier build: replaced
+    cmd = [sys.executable, "-m", "harness.report", str(runs), "--name", "paper", "--out", str(tmp_path / "results")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 run(s)" in proc.stdout or "2 run(s)" in proc.stdout
+    for name, text in keep.items():
+        assert (target / name).read_text() == text
+    assert not (target / "needle.md").exists()
+    assert (target / "longbench.md").exists() and (target / "longbench.csv").exists() and (target / "README.md").exists()
+    runs_table = {r["run"]: r for r in read_csv(target / "runs.csv")}
+    assert runs_table["broken"]["note"].startswith("unreadable")
+    readme = (target / "README.md").read_text()
+    assert "## LongBench (SnapKV Table 1 layout)" in readme and "## The paper's efficiency and needle claims" in readme
+    # a missing folder: one line, status 2
+    proc = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "nope")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("error:")
+
+
+def test_report_does_not_import_torch(tmp_path):
+    code = ("import sys; from harness.report import build; "
+            f"build({str(tmp_path)!r}, {str(tmp_path / 'out')!r}); print('torch' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
