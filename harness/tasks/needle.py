@@ -107,6 +107,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = 
     if loaded.max_positions:
         require(longest <= loaded.max_positions,
                 f"task.lengths: {max(lengths)} + {task.max_new_tokens} new tokens exceeds {loaded.name}'s {loaded.max_positions} positions")
+    cap = apply_memory_cap(task.get("memory_cap_gb"), loaded.device)
     parts = prompt_parts(task, loaded)
     text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
     haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -142,11 +143,28 @@ def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = 
     write_csv(run_dir.path / "needle_cells.csv", rows)
     summary = summarize(rows, lengths, depths)
     summary["failed_cells"] = len(outcome.failures)
+    summary["memory_cap"] = cap
     from harness.plots import needle_heatmap
 
     title = f"{loaded.name} · {cfg.method.tag}"
     needle_heatmap(rows, run_dir.path / "needle_heatmap.png", title=title, score_key="score")
     return {"summary": summary, "rows": rows, "failures": outcome.failures}
+
+
+def apply_memory_cap(cap_gb, device) -> str | None:
+    """Emulate a smaller GPU (the paper's A100-80GB) on a larger one; cells past it fail as out of memory
+    and are recorded as such. Only CUDA can enforce it."""
+    if not cap_gb:
+        return None
+    import torch
+
+    if device.type != "cuda":
+        log.warning("task.memory_cap_gb=%s is only enforced on CUDA; ignored on %s", cap_gb, device)
+        return f"{cap_gb} GB requested, not enforced on {device.type}"
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, float(cap_gb) * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return f"{cap_gb} GB ({fraction:.3f} of {total / 2**30:.0f} GiB)"
 
 
 def summarize(rows: list[dict], lengths: list[int], depths: list[float]) -> dict:
