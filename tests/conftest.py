@@ -44,6 +44,15 @@ def tiny_model(family: str = "llama", attn: str = "sdpa", *, layers: int = 2, he
     return AutoModelForCausalLM.from_config(config, attn_implementation=attn).eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small models gain nothing from intra-op threads, and on a busy machine they cost a lot."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """SmolLM2-135M-Instruct (the embedded default model), loaded once per test session."""

@@ -22,13 +22,7 @@ from harness.methods.snapkv import snapkv_compress
 from harness.methods.streamingllm import StreamingLLM
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a busy machine they cost a lot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def position_states(b: int, h: int, length: int, d: int = 4) -> torch.Tensor:

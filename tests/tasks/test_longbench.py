@@ -27,13 +27,7 @@ CAP = 3
 NEWLINE = 198  # SmolLM2's "\n"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small models gain nothing from intra-op threads, and on a busy machine they cost a lot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

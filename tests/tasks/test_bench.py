@@ -1,0 +1,225 @@
+"""task=bench: KV bytes measured vs analytic, the end-to-end run on tiny-random, resume, the maximum-length
+search (doubling + bisection on a fake memory model) and the worker process with a memory cap."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import compose
+
+MEAN = {"label": "mean", "name": "snapkv", "budget": 64, "window_size": 8, "kernel_size": 5, "pooling": "maxpool", "gqa": "mean"}
+EXPAND = {**MEAN, "label": "expand", "gqa": "expand"}
+FULL = {"label": "full", "name": "full"}
+
+
+def _opts(m):
+    return {k: v for k, v in m.items() if k != "label"}
+
+
+def _methods_override(methods) -> str:
+    body = ",".join("{" + ",".join(f"{k}: {v}" for k, v in m.items()) + "}" for m in methods)
+    return f"task.methods=[{body}]"
+
+
+@pytest.fixture
+def one_thread():
+    """Other work may share this 2-core machine; one thread keeps tiny-model timings from thrashing."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# ----------------------------------------------------------------------------------------- KV bytes
+
+@pytest.mark.parametrize("method", [FULL, MEAN, EXPAND], ids=lambda m: m["label"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_kv_bytes_measured_equal_analytic(tiny_random, one_thread, method, batch):
+    from harness.tasks.bench_worker import measure
+
+    r = measure(tiny_random.model, _opts(method), 256, batch_size=batch, decode_tokens=3, seed=0)
+    # tiny-random: 2 layers, 4 query heads, 2 KV heads, head_dim 16, float32
+    heads = {"full": 2, "mean": 2, "expand": 4}[method["label"]]
+    kept = 256 if method["label"] == "full" else 64
+    assert r["kv_bytes"] == r["kv_bytes_analytic"] == 2 * batch * heads * kept * 16 * 2 * 4
+    assert r["cache_heads"] == [heads] and r["kept_tokens"] == [kept]
+    assert r["kv_bytes_final"] == 2 * batch * heads * (kept + 3) * 16 * 2 * 4  # 3 decode steps appended
+    assert r["decode_steps"] == 3 and len(r["step_ms"]) == 3
+    assert (r["compress_calls"] == 2) == (method["name"] != "full")
+    assert r["peak_bytes"] >= r["mem_before_bytes"] > 0
+
+
+def test_short_prompt_is_not_compressed(tiny_random, one_thread):
+    from harness.tasks.bench_worker import measure
+
+    r = measure(tiny_random.model, _opts(EXPAND), 48, batch_size=1, decode_tokens=2, seed=0)
+    assert r["kept_tokens"] == [48] and r["cache_heads"] == [2]  # shorter than the budget: kept whole, KV heads
+    assert r["kv_bytes"] == r["kv_bytes_analytic"]
+
+
+def test_analytic_ratios_smollm2_shape():
+    """The issue's targets on SmolLM2's shape (30 layers, 9 query / 3 KV heads): full / SnapKV-1024 at 8K = 8 (mean), 8/3 (expand)."""
+    from harness.methods import build_method
+    from harness.tasks.bench_worker import analytic_kv_bytes
+
+    dims = {"layers": 30, "query_heads": 9, "kv_heads": 3, "head_dim": 64}
+    full, _ = analytic_kv_bytes(dims, build_method({"name": "full"}), 8192, 1, 4)
+    mean, _ = analytic_kv_bytes(dims, build_method({**_opts(MEAN), "budget": 1024, "window_size": 32}), 8192, 1, 4)
+    expand, _ = analytic_kv_bytes(dims, build_method({**_opts(EXPAND), "budget": 1024, "window_size": 32}), 8192, 1, 4)
+    assert full == 30 * 3 * 8192 * 64 * 2 * 4
+    assert full / mean == 8 and full / expand == pytest.approx(8 / 3)
+
+
+# ------------------------------------------------------------------------------------------ search
+
+def test_search_doubles_then_bisects_on_a_fake_memory_model():
+    from harness.tasks.bench import search_max_length
+
+    weights, per_token, cap = 500, 3, 50_000  # fits while weights + per_token * n <= cap: n <= 16500
+    out = search_max_length(lambda n: weights + per_token * n <= cap, start=1024, resolution=512, upper=1 << 20)
+    assert out["max_length"] <= 16500 < out["first_failure"]
+    assert out["first_failure"] - out["max_length"] <= 512
+    lengths = [n for n, _ in out["probes"]]
+    assert lengths[:6] == [1024, 2048, 4096, 8192, 16384, 32768]  # doubling up to the first failure
+    assert len(lengths) == len(set(lengths)) and len(lengths) <= 6 + 5  # then log2(16384 / 512) bisection steps
+    assert not out["reached_upper"]
+
+
+def test_search_edges():
+    from harness.tasks.bench import search_max_length
+
+    assert search_max_length(lambda n: True, start=1000, resolution=10, upper=5000) == {
+        "max_length": 5000, "first_failure": None, "reached_upper": True,
+        "probes": [(1000, True), (2000, True), (4000, True), (5000, True)]}
+    nothing = search_max_length(lambda n: False, start=1024, resolution=512, upper=8192)
+    assert nothing["max_length"] == 0 and nothing["first_failure"] == 512  # bisects below the start
+    small = search_max_length(lambda n: n <= 300, start=1024, resolution=16, upper=8192)
+    assert 300 - 16 <= small["max_length"] <= 300 < small["first_failure"]
+
+
+def test_is_oom_recognises_every_form():
+    from harness.tasks.bench_worker import is_oom
+
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_oom(MemoryError())
+    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
+    assert not is_oom(RuntimeError("shape mismatch"))
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+def _bench_cfg(*extra):
+    return compose("task=bench", "model=tiny-random", _methods_override([FULL, MEAN, EXPAND]), "task.context_lengths=[64,256]",
+                   "task.decode_tokens=4", "task.repeats=2", "task.warmup=1", "task.isolation=none", "task.threads=1",
+                   "progress=false", *extra)
+
+
+def test_bench_end_to_end_then_resume(tmp_path, monkeypatch):
+    from harness.app import execute
+    from harness.tasks import bench_worker
+
+    cfg = _bench_cfg()
+    results = execute(cfg, tmp_path)
+    rows = results["rows"]
+    assert len(rows) == 3 * 2 * 2 and results["failures"] == 0
+    assert [(r["label"], r["length"], r["repeat"]) for r in rows[:6]] == [
+        ("full", 64, 0), ("mean", 64, 0), ("expand", 64, 0), ("full", 256, 0), ("mean", 256, 0), ("expand", 256, 0)]
+    checksums = {(r["length"]): set() for r in rows}
+    for r in rows:
+        checksums[r["length"]].add(r["prompt_checksum"])
+    assert all(len(v) == 1 for v in checksums.values())  # the same prompt for every method at a length
+    summary = results["summary"]
+    assert summary["kv_bytes_match_analytic"] is True
+    at256 = summary["by_method"]
+    assert at256["mean"]["256"]["kv_full_over_this"] == 4.0 and at256["expand"]["256"]["kv_full_over_this"] == 2.0
+    assert at256["full"]["256"]["decode_vs_full"] == 1.0
+    for name in ("results.json", "bench_table.md", "bench_decode_latency.png", "bench_peak_memory.png", "bench_rows.jsonl"):
+        assert (tmp_path / name).exists(), name
+    table = (tmp_path / "bench_table.md").read_text()
+    assert "| mean | 256 |" in table and "4.00x" in table and "2.00x" in table
+    assert json.loads((tmp_path / "results.json").read_text())["summary"]["measurements"] == 12
+
+    # Resume: drop two finished rows; a rerun measures exactly those two and keeps the others.
+    log_path = tmp_path / "bench_rows.jsonl"
+    lines = log_path.read_text().splitlines(keepends=True)
+    log_path.write_text("".join(lines[:-2]))
+    calls = []
+    real = bench_worker.WorkerCore.handle
+
+    def counting(self, request):
+        calls.append((request["method"]["name"], request["length"]))
+        return real(self, request)
+
+    monkeypatch.setattr(bench_worker.WorkerCore, "handle", counting)
+    again = execute(cfg, tmp_path)
+    assert len(calls) == 2 and len(again["rows"]) == 12
+    kept = {(d["label"], d["length"], d["repeat"]): d["finished_at"] for d in map(json.loads, lines[:-2])}
+    assert all(r["finished_at"] == kept[(r["label"], r["length"], r["repeat"])] for r in again["rows"]
+               if (r["label"], r["length"], r["repeat"]) in kept)
+    calls.clear()
+    execute(cfg, tmp_path)  # everything done: no model is even loaded
+    assert calls == []
+
+
+def test_bench_search_in_process(tmp_path):
+    from harness.app import execute
+
+    cfg = _bench_cfg("task.context_lengths=[64]", "task.repeats=1", "task.warmup=0", "task.max_length_search=true",
+                     "task.memory_cap_gb=100", "task.search_start=32", "task.search_resolution=16", "task.search_max=128",
+                     "task.search_decode_tokens=2", "task.plots=false")
+    results = execute(cfg, tmp_path)
+    search = results["search"]["methods"]
+    assert all(s["max_length"] == 128 and s["reached_upper"] for s in search.values())
+    assert results["summary"]["max_length_vs_full"] == {"full": 1.0, "mean": 1.0, "expand": 1.0}
+    assert "Maximum prompt length" in (tmp_path / "bench_table.md").read_text()
+    # A cap below the loaded model's own memory: nothing fits, reported as 0 (ratio undefined), no crash.
+    low = execute(_bench_cfg("task.context_lengths=[64]", "task.repeats=1", "task.warmup=0", "task.max_length_search=true",
+                             "task.memory_cap_gb=0.01", "task.search_start=32", "task.search_resolution=16", "task.search_max=64",
+                             "task.search_decode_tokens=2", "task.plots=false"), tmp_path / "low")
+    assert all(s["max_length"] == 0 for s in low["search"]["methods"].values())
+
+
+def test_validate_rejects_bad_task_configs():
+    from harness.errors import HarnessError
+    from harness.tasks.bench import validate
+
+    with pytest.raises(HarnessError, match="unique"):
+        validate(compose("task=bench", _methods_override([FULL, FULL])).task)
+    with pytest.raises(HarnessError, match="no option"):
+        validate(compose("task=bench", _methods_override([{**FULL, "budget": 3}])).task)
+    with pytest.raises(HarnessError, match="memory_cap_gb"):
+        validate(compose("task=bench", "task.max_length_search=true").task)
+
+
+# ------------------------------------------------------------------------------------------ worker process
+
+def test_worker_process_peak_and_memory_cap(tmp_path):
+    """A persistent worker: per-measurement peaks, and under a memory cap an oversized request fails as
+    out-of-memory (RLIMIT_AS) while the worker lives on and serves the next request."""
+    from omegaconf import OmegaConf
+
+    from harness.tasks.bench import PerMethodRunner
+
+    init = {"model": OmegaConf.to_container(compose("model=tiny-random").model, resolve=True), "seed": 0, "threads": 1,
+            "warmup": 1, "warmup_length": 32, "decode_tokens": 2, "batch_size": 1, "memory_cap_bytes": int(1.5 * 1024**3)}
+    runner = PerMethodRunner(init, {"mean": MEAN}, tmp_path)
+    try:
+        small = {"method": _opts(MEAN), "length": 128, "batch_size": 1, "decode_tokens": 2, "seed": 0}
+        ok = runner.request("mean", small)
+        assert ok["ok"], ok
+        res = ok["result"]
+        import os
+
+        assert res["worker_pid"] != os.getpid() and res["peak_bytes"] >= res["mem_before_bytes"] > 0
+        if runner.infos["mean"]["memory_cap"]["kind"] != "rlimit_as":
+            pytest.skip("no /proc here: the CPU memory cap (RLIMIT_AS relative to the resident size) is not armed")
+        huge = runner.request("mean", {**small, "length": 8192, "batch_size": 4096})  # 8 GB for the embeddings alone
+        assert not huge["ok"] and huge["oom"], huge
+        again = runner.request("mean", small)
+        assert again["ok"] and again["result"]["worker_pid"] == res["worker_pid"]
+        assert again["result"]["kv_bytes"] == res["kv_bytes"]
+    finally:
+        runner.close()
