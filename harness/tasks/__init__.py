@@ -5,6 +5,9 @@ from importlib import import_module
 
 TASKS = {
     "needle": "harness.tasks.needle",
+    "bench": "harness.tasks.bench",
+    "longbench": "harness.tasks.longbench",
+    "longbench_e": "harness.tasks.longbench",
 }
 
 

@@ -1,0 +1,425 @@
+"""One efficiency measurement, and the worker process that serves them (`python -m harness.tasks.bench_worker`).
+
+A measurement is one greedy generation of `decode_tokens` tokens (EOS disabled) after a prefill of a
+random-token prompt of `length` tokens, batch `batch_size`, under one compression method. It
+reports the prefill time, the time spent inside the method's `compress` (summed over layers), the
+per-step decode latencies, the KV-cache bytes after prefill (measured from the cache tensors and
+the analytic value) and the peak memory of the measurement.
+
+Peak memory:
+- CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, with the device
+  synchronised around every timing. `peak_bytes` includes the weights; `peak_increase_bytes` is
+  the peak minus what was allocated just before the measurement.
+- CPU: the process's resident high-water mark. Before each measurement the worker returns freed
+  heap memory to the OS (`malloc_trim(0)`) and resets the high-water mark to the current RSS by
+  writing 5 to /proc/self/clear_refs (Linux >= 4.0), so one persistent process yields a
+  per-measurement peak: `peak_bytes` = VmHWM after the measurement, `peak_increase_bytes` =
+  VmHWM - RSS before it. Where clear_refs is not writable the peak is `ru_maxrss`, which is
+  only per-measurement in a fresh process (the bench then starts one process per measurement).
+
+Protocol (one JSON object per line): the parent writes an init object, the worker loads the model,
+warms up, optionally arms a memory cap, and answers {"ready": ...}; then each request line gets one
+answer line {"ok": true, "result": {...}} or {"ok": false, "oom": bool, "error": ...}. The worker's
+own stdout is redirected to stderr so that nothing but protocol lines reach the parent.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+
+import torch
+
+from harness.decoding import greedy_generate
+from harness.methods import build_method, compression
+from harness.methods.engine import attention_modules
+
+OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "std::bad_alloc")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for every way running out of memory shows up: CUDA OOM, a failed CPU allocation, MemoryError."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in OOM_MARKERS)
+
+
+# ---------------------------------------------------------------------------------------------- memory
+
+def _status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def rss_bytes() -> int:
+    kb = _status_kb("VmRSS")
+    return kb * 1024 if kb is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def vm_size_bytes() -> int | None:
+    kb = _status_kb("VmSize")
+    return kb * 1024 if kb is not None else None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the resident high-water mark to the current RSS; False where the kernel does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    kb = _status_kb("VmHWM")
+    return kb * 1024 if kb is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+_LIBC = None
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS, so the next peak counts what it touches."""
+    global _LIBC
+    gc.collect()
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim  # noqa: B018  (glibc only)
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+class PeakMeter:
+    """Peak memory of one measurement (see the module docstring)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.before = torch.cuda.memory_allocated(self.device)
+            self.source = "cuda.max_memory_allocated"
+        else:
+            release_free_memory()
+            self.before = rss_bytes()
+            self.source = "VmHWM(clear_refs)" if reset_peak_rss() else "ru_maxrss"
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.peak = peak_rss_bytes() if self.source.startswith("VmHWM") else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return False
+
+    def record(self) -> dict:
+        return {"peak_bytes": int(self.peak), "mem_before_bytes": int(self.before),
+                "peak_increase_bytes": int(max(0, self.peak - self.before)), "peak_source": self.source}
+
+
+def arm_memory_cap(cap_bytes: int, device: torch.device) -> dict:
+    """Make allocations beyond `cap_bytes` fail in this process.
+
+    CUDA: `set_per_process_memory_fraction(cap / total)` (the cap includes the weights, as on a
+    smaller card). CPU: RLIMIT_AS = address space now + (cap - resident memory now), so the process
+    can grow its resident memory (weights included) to about the cap; a failed allocation raises
+    a RuntimeError/MemoryError that the worker reports as out of memory. Address space is counted
+    before pages are touched, so the limit is slightly stricter than an RSS limit; the bench also
+    checks the measured peak against the cap.
+    """
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = min(1.0, cap_bytes / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        return {"kind": "cuda_memory_fraction", "fraction": fraction}
+    rss, vm = rss_bytes(), vm_size_bytes()
+    if cap_bytes <= rss or vm is None:
+        return {"kind": "none", "reason": f"cap {cap_bytes} is below the resident size after load ({rss})" if vm else "no /proc"}
+    limit = vm + (cap_bytes - rss)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    return {"kind": "rlimit_as", "limit_bytes": limit, "vm_at_arm": vm, "rss_at_arm": rss}
+
+
+# ------------------------------------------------------------------------------------------ measurement
+
+def prompt_ids(seed: int, length: int, batch_size: int, vocab_size: int, device) -> torch.Tensor:
+    """Random token ids, the same for every method at a given (seed, length, batch size)."""
+    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + int(length))
+    return torch.randint(0, int(vocab_size), (int(batch_size), int(length)), generator=gen).to(device)
+
+
+def model_dims(config) -> dict:
+    heads = int(config.num_attention_heads)
+    return {
+        "layers": int(config.num_hidden_layers),
+        "query_heads": heads,
+        "kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+    }
+
+
+def analytic_kv_bytes(dims: dict, method, length: int, batch_size: int, dtype_bytes: int) -> tuple[int, list[int]]:
+    """layers x heads x kept x head_dim x 2 (K and V) x dtype bytes (x batch), summed over layers.
+
+    kept = the layer budget when the prompt is at least that long (shorter prompts stay whole, the
+    official rule), else the prompt length; heads = query heads for gqa=expand on a compressed
+    layer, KV heads otherwise. Returns the bytes and the kept tokens per layer.
+    """
+    n = dims["layers"]
+    budgets = None
+    if method is not None and method.compresses:
+        if hasattr(method, "budgets_for_length"):
+            budgets = method.budgets_for_length(n, length)
+        else:
+            budgets = [method.layer_budget(i, n) for i in range(n)]
+    total, kept_per_layer = 0, []
+    for i in range(n):
+        budget = budgets[i] if budgets else None
+        if budget is None or length < budget:
+            kept, heads = length, dims["kv_heads"]
+        else:
+            kept = int(budget)
+            heads = dims["query_heads"] if getattr(method, "gqa", None) == "expand" else dims["kv_heads"]
+        kept_per_layer.append(kept)
+        total += batch_size * heads * kept * dims["head_dim"] * 2 * dtype_bytes
+    return total, kept_per_layer
+
+
+def measured_kv(cache, appended: int) -> dict:
+    """Bytes of the cache tensors at the end, and after prefill (the end minus the `appended` decode positions,
+    which decoding appends one per step to every layer and never evicts)."""
+    final, after, heads, kept = 0, 0, [], []
+    for layer in cache.layers:
+        for t in (layer.keys, layer.values):
+            per_position = t.numel() // t.shape[-2] * t.element_size()
+            final += t.numel() * t.element_size()
+            after += per_position * (t.shape[-2] - appended)
+        heads.append(int(layer.keys.shape[1]))
+        kept.append(int(layer.keys.shape[-2]) - appended)
+    return {"kv_bytes_final": final, "kv_bytes": after, "cache_heads": heads, "kept_tokens": kept}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _timed_compress(method, device, totals: dict) -> None:
+    """Count the time spent inside the method's selection (instance attribute: this run's object only)."""
+    original = method.compress
+    cuda = device.type == "cuda"
+
+    def compress(*args, **kwargs):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        out = original(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize(device)
+        totals["seconds"] += time.perf_counter() - start
+        totals["cpu_seconds"] += time.process_time() - cpu_start
+        totals["calls"] += 1
+        return out
+
+    method.compress = compress
+
+
+def _cpu_time_hooks(model, marks: list):
+    """CPU time (all threads of this process) of every top-level forward: the prefill, then each decode step.
+
+    Wall-clock is what the benchmark reports; on a CPU shared with other work it also counts the
+    time this process waited for a core, CPU time does not (a check, not a replacement)."""
+
+    def pre(module, args, kwargs):
+        marks.append(-time.process_time())
+
+    def post(module, args, kwargs, output):
+        marks[-1] += time.process_time()
+
+    return [model.register_forward_pre_hook(pre, with_kwargs=True), model.register_forward_hook(post, with_kwargs=True)]
+
+
+@torch.inference_mode()
+def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tokens: int, seed: int) -> dict:
+    """One measurement of `method_cfg` at `length` prompt tokens (see the module docstring)."""
+    device = next(model.parameters()).device
+    method = build_method(method_cfg)
+    dims = model_dims(model.config)
+    ids = prompt_ids(seed, length, batch_size, model.config.vocab_size, device)
+    totals = {"seconds": 0.0, "cpu_seconds": 0.0, "calls": 0}
+    if method.compresses:
+        _timed_compress(method, device, totals)
+    cpu_marks: list[float] = []
+    hooks = _cpu_time_hooks(model, cpu_marks) if device.type == "cpu" else []
+    gc_was_enabled = gc.isenabled()
+    with PeakMeter(device) as meter:
+        gc.disable()  # no collector pauses inside timed decode steps
+        try:
+            with compression(model, method):
+                gen = greedy_generate(model, ids, max_new_tokens=int(decode_tokens) + 1, ignore_eos=True, keep_cache=True)
+        finally:
+            for h in hooks:
+                h.remove()
+            if gc_was_enabled:
+                gc.enable()
+    steps = list(gen.step_seconds)
+    cpu_steps = cpu_marks[1:]
+    prefill = gen.prefill_seconds
+    kv = measured_kv(gen.cache, len(steps))
+    dtype_bytes = gen.cache.layers[0].keys.element_size()
+    for layer in gen.cache.layers:  # gqa=expand patches `update` per layer (a closure over the layer): break the cycle
+        layer.__dict__.pop("update", None)
+    gen.cache = None
+    del gen
+    analytic, kept = analytic_kv_bytes(dims, method, length, batch_size, dtype_bytes)
+    decode_total = sum(steps)
+    return {
+        "prompt_tokens": int(length),
+        "batch_size": int(batch_size),
+        "prompt_checksum": int(ids.sum().item()),
+        "prefill_s": round(prefill, 5),
+        "compress_s": round(totals["seconds"], 5),
+        "compress_calls": totals["calls"],
+        "decode_steps": len(steps),
+        "decode_median_ms": round(1000 * _percentile(steps, 50), 4) if steps else None,
+        "decode_p90_ms": round(1000 * _percentile(steps, 90), 4) if steps else None,
+        "decode_mean_ms": round(1000 * decode_total / len(steps), 4) if steps else None,
+        "decode_tokens_per_s": round(batch_size * len(steps) / decode_total, 3) if decode_total > 0 else None,
+        "step_ms": [round(1000 * s, 3) for s in steps],
+        "prefill_cpu_s": round(cpu_marks[0], 5) if cpu_marks else None,
+        "compress_cpu_s": round(totals["cpu_seconds"], 5) if cpu_marks else None,
+        "decode_cpu_median_ms": round(1000 * _percentile(cpu_steps, 50), 4) if cpu_steps else None,
+        "step_cpu_ms": [round(1000 * s, 3) for s in cpu_steps],
+        "threads": torch.get_num_threads(),
+        "kv_bytes": kv["kv_bytes"],
+        "kv_bytes_analytic": analytic,
+        "kv_bytes_final": kv["kv_bytes_final"],
+        "cache_heads": sorted(set(kv["cache_heads"])),
+        "kept_tokens": sorted(set(kv["kept_tokens"])),
+        "kept_tokens_analytic": sorted(set(kept)),
+        **meter.record(),
+    }
+
+
+# ------------------------------------------------------------------------------------------- the worker
+
+class WorkerCore:
+    """A loaded model serving measurement requests; used in-process (isolation=none) or by `main` below."""
+
+    def __init__(self, init: dict, loaded=None):
+        from omegaconf import OmegaConf
+
+        from harness.app import seed_everything
+        from harness.models import load_model
+
+        self.init = init
+        if init.get("threads"):
+            torch.set_num_threads(int(init["threads"]))
+        seed_everything(int(init.get("seed", 0)))
+        started = time.perf_counter()
+        self.loaded = loaded if loaded is not None else load_model(OmegaConf.create(init["model"]))
+        self.model = self.loaded.model
+        self.device = next(self.model.parameters()).device
+        self.load_seconds = time.perf_counter() - started
+        num_layers = len(attention_modules(self.model))
+        for cfg in init.get("methods", []):  # bad options fail here, before any measurement
+            build_method(cfg).validate(num_layers, self.loaded.max_positions)
+        self.warmup_seconds = self._warm_up()
+        # Everything alive now (modules, the model) stays: later collections only scan what measurements create.
+        gc.collect()
+        gc.freeze()
+        release_free_memory()
+        self.baseline_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else rss_bytes()
+        self.cap = arm_memory_cap(int(init["memory_cap_bytes"]), self.device) if init.get("memory_cap_bytes") else None
+
+    def _warm_up(self) -> float:
+        """Untimed generations (first-call costs: thread pools, kernel selection, lazy imports)."""
+        started = time.perf_counter()
+        for _ in range(int(self.init.get("warmup", 0))):
+            for cfg in self.init.get("methods", []) or [{"name": "full"}]:
+                measure(self.model, cfg, int(self.init["warmup_length"]), batch_size=int(self.init.get("batch_size", 1)),
+                        decode_tokens=min(8, int(self.init.get("decode_tokens", 8))), seed=int(self.init.get("seed", 0)) + 1)
+        return time.perf_counter() - started
+
+    def ready(self) -> dict:
+        return {"ready": True, "pid": os.getpid(), "device": str(self.device), "load_s": round(self.load_seconds, 3),
+                "warmup_s": round(self.warmup_seconds, 3), "baseline_bytes": int(self.baseline_bytes),
+                "threads": torch.get_num_threads(), "memory_cap": self.cap,
+                "peak_resettable": self.device.type == "cuda" or reset_peak_rss()}
+
+    def handle(self, request: dict) -> dict:
+        try:
+            result = measure(self.model, request["method"], int(request["length"]), batch_size=int(request["batch_size"]),
+                             decode_tokens=int(request["decode_tokens"]), seed=int(request["seed"]))
+        except Exception as exc:  # noqa: BLE001  (reported to the parent, which decides)
+            failure = {"ok": False, "oom": is_oom(exc), "error": f"{type(exc).__name__}: {str(exc).strip()[:400]}",
+                       "traceback": traceback.format_exc(limit=4)[-4000:]}
+        else:
+            result["baseline_bytes"] = int(self.baseline_bytes)
+            result["peak_over_baseline_bytes"] = int(max(0, result["peak_bytes"] - self.baseline_bytes))
+            result["worker_pid"] = os.getpid()
+            return {"ok": True, "result": result}
+        # out of the except block: the traceback's frames (and the tensors they hold) are gone now
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        release_free_memory()
+        return failure
+
+
+def main() -> int:
+    protocol = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)  # prints and progress bars of libraries go to stderr, never into the protocol
+    sys.stdout = sys.stderr
+
+    def send(obj: dict) -> None:
+        protocol.write(json.dumps(obj, default=str) + "\n")
+        protocol.flush()
+
+    line = sys.stdin.readline()
+    if not line:
+        return 1
+    try:
+        core = WorkerCore(json.loads(line))
+    except Exception as exc:  # noqa: BLE001
+        from harness.errors import HarnessError
+
+        send({"ready": False, "user_error": isinstance(exc, HarnessError), "error": str(exc)[:1000],
+              "traceback": traceback.format_exc(limit=6)[-4000:]})
+        return 2
+    send(core.ready())
+    for line in sys.stdin:
+        if line.strip():
+            send(core.handle(json.loads(line)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
