@@ -346,7 +346,6 @@ def plan(lengths: list[int], labels: list[str], repeats: int) -> list[tuple[str,
 
 
 def prepare_and_run(cfg: DictConfig, run_dir: RunDir) -> dict:
-    import torch
     from tqdm import tqdm
 
     from harness.models import resolve_device
@@ -367,6 +366,7 @@ def prepare_and_run(cfg: DictConfig, run_dir: RunDir) -> dict:
         "warmup_length": int(task.warmup_length or min(lengths)),
         "decode_tokens": int(task.decode_tokens),
         "batch_size": int(task.batch_size),
+        "prefill_mmap_threshold": task.get("cpu_prefill_mmap_threshold"),
         "log_name": "bench",
     }
     rows_log = run_dir.log("bench_rows.jsonl", key=("label", "length", "repeat"))
@@ -479,6 +479,7 @@ def aggregate(rows: list[dict], labels: list[str], lengths: list[int]) -> list[d
                 "peak_source": first["peak_source"],
                 "loadavg_1m_max": max((r.get("loadavg_1m") or 0) for r in rs),
                 "threads": first.get("threads"),
+                "prefill_mmap_threshold": first.get("prefill_mmap_threshold"),
                 # CPU-time view (CPU only): the same quantities in this process's CPU seconds.
                 "prefill_cpu_s": _median(r.get("prefill_cpu_s") for r in rs),
                 "compress_cpu_s": _median(r.get("compress_cpu_s") for r in rs),
@@ -623,7 +624,9 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
         "Compress: time inside the method's selection, summed over layers (% of the full cache's prefill at that length). "
         "Prefill vs full: paired prefill-time difference (noisier). KV: bytes of the cache tensors after prefill "
         "(measured = analytic layers x heads x kept x head_dim x 2 x dtype bytes, ✓). Peak: the measurement's peak "
-        "memory above what was resident/allocated just before it.",
+        "memory above what was resident/allocated just before it." + (
+            f" CPU peaks: glibc M_MMAP_THRESHOLD = {table[0]['prefill_mmap_threshold']} bytes during the prefill, so freed "
+            "tensors leave the resident set at once (see harness/tasks/bench_worker.py)." if table and table[0].get("prefill_mmap_threshold") else ""),
         "",
         "| method | prompt | prefill s | compress s (% full prefill) | prefill vs full | decode ms/tok median | p90 | tok/s "
         "| decode × full | decode × full@budget | KV MB | heads × kept | KV full ÷ this | peak +MB | peak × full |",

@@ -16,6 +16,13 @@ Peak memory:
   per-measurement peak: `peak_bytes` = VmHWM after the measurement, `peak_increase_bytes` =
   VmHWM - RSS before it. Where clear_refs is not writable the peak is `ru_maxrss`, which is
   only per-measurement in a fresh process (the bench then starts one process per measurement).
+  RSS also counts freed memory that glibc's heap keeps: with glibc's default (dynamic) mmap
+  threshold, SmolLM2 at 8K tokens peaked at +616 / +552 / +642 MB (full / SnapKV mean / expand,
+  fresh processes), mostly retained heap, and the figures moved by +-150 MB between repeats. So
+  during the prefill the worker sets M_MMAP_THRESHOLD to `prefill_mmap_threshold` (1 MiB by
+  default): every large tensor is its own mapping, returned when freed, and the peak follows live
+  memory (mean +271 MB, expand +364 MB: the 93 MB between them is the expanded cache's extra 90 MB).
+  Decode steps run with glibc's steady-state threshold (32 MiB), as in any long-running process.
 
 Protocol (one JSON object per line): the parent writes an init object, the worker loads the model,
 warms up, optionally arms a memory cap, and answers {"ready": ...}; then each request line gets one
@@ -90,20 +97,32 @@ def peak_rss_bytes() -> int:
 
 
 _LIBC = None
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+DECODE_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's own dynamic maximum on 64-bit: its steady state
 
 
-def release_free_memory() -> None:
-    """Collect garbage and hand freed heap pages back to the OS, so the next peak counts what it touches."""
+def _glibc():
     global _LIBC
-    gc.collect()
     if _LIBC is None:
         try:
             _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             _LIBC.malloc_trim  # noqa: B018  (glibc only)
+            _LIBC.mallopt  # noqa: B018
         except (OSError, AttributeError):
             _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
+    return _LIBC
+
+
+def release_free_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS, so the next peak counts what it touches."""
+    gc.collect()
+    if _glibc():
+        _glibc().malloc_trim(0)
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """glibc: allocations of at least `nbytes` get their own mmap and leave the resident set when freed."""
+    return bool(_glibc()) and bool(_glibc().mallopt(M_MMAP_THRESHOLD, int(nbytes)))
 
 
 class PeakMeter:
@@ -252,24 +271,33 @@ def _timed_compress(method, device, totals: dict) -> None:
     method.compress = compress
 
 
-def _cpu_time_hooks(model, marks: list):
+def _cpu_time_hooks(model, marks: list, after_prefill=None):
     """CPU time (all threads of this process) of every top-level forward: the prefill, then each decode step.
 
     Wall-clock is what the benchmark reports; on a CPU shared with other work it also counts the
-    time this process waited for a core, CPU time does not (a check, not a replacement)."""
+    time this process waited for a core, CPU time does not (a check, not a replacement).
+    `after_prefill` runs once, right after the first forward."""
 
     def pre(module, args, kwargs):
         marks.append(-time.process_time())
 
     def post(module, args, kwargs, output):
         marks[-1] += time.process_time()
+        if len(marks) == 1 and after_prefill is not None:
+            after_prefill()
 
     return [model.register_forward_pre_hook(pre, with_kwargs=True), model.register_forward_hook(post, with_kwargs=True)]
 
 
 @torch.inference_mode()
-def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tokens: int, seed: int) -> dict:
-    """One measurement of `method_cfg` at `length` prompt tokens (see the module docstring)."""
+def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tokens: int, seed: int,
+            prefill_mmap_threshold: int | None = None) -> dict:
+    """One measurement of `method_cfg` at `length` prompt tokens (see the module docstring).
+
+    `prefill_mmap_threshold` (CPU, glibc): during the prefill, allocations of at least that many bytes
+    are mmapped and unmapped when freed, so the peak RSS follows live tensor memory instead of what
+    the heap kept of freed tensors; from the first decode step on the threshold is glibc's steady
+    state (32 MiB), so decode steps reuse heap memory as in any long-running process."""
     device = next(model.parameters()).device
     method = build_method(method_cfg)
     dims = model_dims(model.config)
@@ -278,7 +306,11 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
     if method.compresses:
         _timed_compress(method, device, totals)
     cpu_marks: list[float] = []
-    hooks = _cpu_time_hooks(model, cpu_marks) if device.type == "cpu" else []
+    mmap_regime = None
+    if device.type == "cpu" and prefill_mmap_threshold and set_mmap_threshold(prefill_mmap_threshold):
+        mmap_regime = int(prefill_mmap_threshold)
+    hooks = _cpu_time_hooks(model, cpu_marks, (lambda: set_mmap_threshold(DECODE_MMAP_THRESHOLD)) if mmap_regime else None) \
+        if device.type == "cpu" else []
     gc_was_enabled = gc.isenabled()
     with PeakMeter(device) as meter:
         gc.disable()  # no collector pauses inside timed decode steps
@@ -319,6 +351,7 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
         "decode_cpu_median_ms": round(1000 * _percentile(cpu_steps, 50), 4) if cpu_steps else None,
         "step_cpu_ms": [round(1000 * s, 3) for s in cpu_steps],
         "threads": torch.get_num_threads(),
+        "prefill_mmap_threshold": mmap_regime,
         "kv_bytes": kv["kv_bytes"],
         "kv_bytes_analytic": analytic,
         "kv_bytes_final": kv["kv_bytes_final"],
@@ -366,7 +399,8 @@ class WorkerCore:
         for _ in range(int(self.init.get("warmup", 0))):
             for cfg in self.init.get("methods", []) or [{"name": "full"}]:
                 measure(self.model, cfg, int(self.init["warmup_length"]), batch_size=int(self.init.get("batch_size", 1)),
-                        decode_tokens=min(8, int(self.init.get("decode_tokens", 8))), seed=int(self.init.get("seed", 0)) + 1)
+                        decode_tokens=min(8, int(self.init.get("decode_tokens", 8))), seed=int(self.init.get("seed", 0)) + 1,
+                        prefill_mmap_threshold=self.init.get("prefill_mmap_threshold"))
         return time.perf_counter() - started
 
     def ready(self) -> dict:
@@ -378,7 +412,8 @@ class WorkerCore:
     def handle(self, request: dict) -> dict:
         try:
             result = measure(self.model, request["method"], int(request["length"]), batch_size=int(request["batch_size"]),
-                             decode_tokens=int(request["decode_tokens"]), seed=int(request["seed"]))
+                             decode_tokens=int(request["decode_tokens"]), seed=int(request["seed"]),
+                             prefill_mmap_threshold=self.init.get("prefill_mmap_threshold"))
         except Exception as exc:  # noqa: BLE001  (reported to the parent, which decides)
             failure = {"ok": False, "oom": is_oom(exc), "error": f"{type(exc).__name__}: {str(exc).strip()[:400]}",
                        "traceback": traceback.format_exc(limit=4)[-4000:]}
