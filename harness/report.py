@@ -14,12 +14,17 @@ Collects every `results.json` under the folder (recursively) and writes `<out>/<
   cache, per run, method and prompt length; `max_length.csv`: the maximum-length searches; the
   benchmark's plots under `efficiency/`.
 - `claims.md|csv`: the paper's efficiency and needle claims (results/paper/paper_claims.csv) next to ours.
+- `paired_deltas.md|csv`: every compressed setting minus the full cache run on the same items (same model,
+  task, protocol and task settings), per LongBench task, on the LongBench average and on the needle mean, with
+  a 95% paired bootstrap interval (harness/stats.py); CSV columns `setting, task, delta, ci_low, ci_high, n`.
 - `runs.csv`: every results.json found, and which table it went into (or why none).
 - `README.md`: all the Markdown tables in one page.
 
 Rows never merge runs that differ in a recorded rule (chat formatting, first-token guard, code_sim
-backend, GQA handling, truncation budget, item limit, data source, prompt style, device, batch): those
-are columns of the row key, shown in the tables. Two runs with the same key both appear, flagged.
+backend, GQA handling, truncation budget, item limit, data source, prompt style, device, batch, and the
+protocol: query-aware, the question inside the compressed prompt, or query-agnostic, the question after
+compression; `summary.protocol`, else `config.task.query_aware`, absent = query-aware): those are columns of
+the row key, shown in the tables. Two runs with the same key both appear, flagged.
 Nothing here loads a model or imports torch.
 """
 
@@ -37,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from harness import REPO_ROOT
+from harness.paired import AVERAGE, CSV_FIELDS as PAIRED_FIELDS, NEEDLE, PairedRow, pair_runs
+from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED
 from metrics.longbench_tasks import LONGBENCH_EN_TASKS
 
 PAPER_DIR = REPO_ROOT / "results" / "paper"
@@ -47,7 +54,7 @@ PAPER_CLAIMS = PAPER_DIR / "paper_claims.csv"
 # SOURCE.md).
 OUTPUT_FILES = ("README.md", "runs.csv", "longbench.md", "longbench.csv", "longbench_vs_paper.md", "longbench_vs_paper.csv",
                 "longbench_e.md", "longbench_e.csv", "needle.md", "needle.csv", "needle_by_length.png", "efficiency.md",
-                "efficiency.csv", "max_length.csv", "claims.md", "claims.csv")
+                "efficiency.csv", "max_length.csv", "claims.md", "claims.csv", "paired_deltas.md", "paired_deltas.csv")
 OUTPUT_DIRS = ("needle", "efficiency")
 
 # Our model names -> the paper's (SnapKV Table 1). Also matched: the basename of the model's hub path.
@@ -99,6 +106,29 @@ class Run:
     def device(self) -> str:
         prov = self.data.get("provenance") or {}
         return str(prov.get("cuda") or prov.get("device") or "?")
+
+    @property
+    def protocol(self) -> str:
+        return run_protocol(self.data)
+
+
+PROTOCOLS = ("query_aware", "query_agnostic")
+
+
+def run_protocol(data: dict) -> str:
+    """"query_aware" (the question inside the compressed prompt) or "query_agnostic" (asked after compression):
+    `summary.protocol` when recorded, else `config.task.query_aware` (false: agnostic); absent means query-aware."""
+    summary = data.get("summary") if isinstance(data.get("summary"), dict) else {}
+    recorded = summary.get("protocol")
+    if recorded in PROTOCOLS:
+        return recorded
+    task_cfg = ((data.get("config") or {}).get("task") or {}) if isinstance(data.get("config"), dict) else {}
+    flag = task_cfg.get("query_aware", True) if isinstance(task_cfg, dict) else True
+    return "query_agnostic" if flag is False or str(flag).lower() == "false" else "query_aware"
+
+
+def _protocol_rank(protocol: str) -> int:
+    return PROTOCOLS.index(protocol) if protocol in PROTOCOLS else len(PROTOCOLS)
 
 
 def collect(folder: Path) -> tuple[list[Run], list[tuple[str, str]]]:
@@ -251,11 +281,15 @@ def longbench_row(run: Run, paper: dict) -> dict | None:
     method = run.data.get("method") or {}
     rules = s.get("rules") or {}
     label, setting = method_setting(method)
+    protocol = run.protocol
+    if protocol != "query_aware":
+        setting = None  # the paper's numbers are query-aware (the question inside the compressed prompt)
     pmodel = paper_model(run.model, run.config)
     scores = {t: s["scores"].get(t) for t in s["scores"]}
     row = {
         "model": run.model.get("name", "?"),
         "setting": label,
+        "protocol": protocol,
         "method_tag": run.data.get("method_tag"),
         "chat_format": rules.get("chat_format", run.model.get("chat_format")),
         "first_token_guard": "all tasks" if rules.get("min_new_tokens_all_tasks") else "samsum only",
@@ -307,7 +341,7 @@ def flag_duplicates(rows: list[dict], fields: tuple[str, ...]) -> None:
             r["note"] = (r["note"] + "; " if r.get("note") else "") + "same key as another run (see `run`)"
 
 
-LB_KEY = ("model", "method_tag", *LB_RULES, *LB_EXTRA_RULES, "tasks_run")
+LB_KEY = ("model", "protocol", "method_tag", *LB_RULES, *LB_EXTRA_RULES, "tasks_run")
 
 
 def longbench_tables(runs: list[Run], paper: dict) -> tuple[list[dict], str, str]:
@@ -319,25 +353,29 @@ def longbench_tables(runs: list[Run], paper: dict) -> tuple[list[dict], str, str
         if row is not None:
             rows.append(row)
             run.used_in.append("longbench")
-    rows.sort(key=lambda r: (_model_sort(r["model"]), _setting_sort(r["setting"]), row_key(r, LB_KEY), r["run"]))
+    rows.sort(key=lambda r: (_model_sort(r["model"]), _protocol_rank(r["protocol"]), _setting_sort(r["setting"]),
+                             row_key(r, LB_KEY), r["run"]))
     flag_duplicates(rows, LB_KEY)
     if not rows:
         return rows, "", ""
     varying = [f for f in LB_EXTRA_RULES if len({json.dumps(r.get(f), default=str) for r in rows}) > 1]
     constant = [f for f in LB_EXTRA_RULES if f not in varying]
-    headers = ["Model", "Setting", "Chat", "1st-token guard", "code_sim", "GQA", *[_rule_header(f) for f in varying],
+    headers = ["Model", "Setting", "Protocol", "Chat", "1st-token guard", "code_sim", "GQA", *[_rule_header(f) for f in varying],
                *[SHORT_NAMES[t] for t in LONGBENCH_EN_TASKS], "Avg.", "Paper Avg.", "Δ"]
-    align = ["l"] * (6 + len(varying)) + ["r"] * (len(LONGBENCH_EN_TASKS) + 3)
+    align = ["l"] * (7 + len(varying)) + ["r"] * (len(LONGBENCH_EN_TASKS) + 3)
     body = []
     for r in rows:
-        body.append([r["model"], r["setting"], r["chat_format"], r["first_token_guard"], r["code_sim"], r["gqa"],
+        body.append([r["model"], r["setting"], _protocol_label(r["protocol"]), r["chat_format"], r["first_token_guard"],
+                     r["code_sim"], r["gqa"],
                      *[_fmt(r.get(f)) for f in varying], *[_fmt(r.get(t)) for t in LONGBENCH_EN_TASKS],
                      _fmt(r["avg"]), _fmt(r["paper_avg"]), _delta(r["delta_avg"])])
     lines = ["## LongBench (SnapKV Table 1 layout)", "", markdown_table(headers, body, align), ""]
     lines.append("- Scores: LongBench's official metrics x 100; Avg.: unweighted mean of the 16 English tasks "
                  "(the paper prints none; Paper Avg. is the same mean of its Table 1 row, results/paper/longbench_table1.csv).")
     lines.append("- Paper Avg./Δ only where model and setting are exactly the paper's (SnapKV: W=32, k=7, max pooling, "
-                 "GQA expand; H2O: budget 4096; real weights), the run has all 16 tasks and no task.limit.")
+                 "GQA expand; H2O: budget 4096; real weights; query-aware), the run has all 16 tasks and no task.limit.")
+    lines.append("- Protocol: query-aware (the question inside the compressed prompt, as LongBench's prompts and the paper) "
+                 "or query-agnostic (the question asked after compression); rows of different protocols never merge.")
     if constant:
         lines.append("- Same for every row: " + "; ".join(f"{_rule_header(f)} = {_fmt(rows[0].get(f))}" for f in constant) + ".")
     notes = [(r["model"], r["setting"], r["run"], r["note"]) for r in rows if r.get("note")]
@@ -361,6 +399,10 @@ def longbench_tables(runs: list[Run], paper: dict) -> tuple[list[dict], str, str
     return rows, md, vs
 
 
+def _protocol_label(protocol: str) -> str:
+    return {"query_aware": "query-aware", "query_agnostic": "query-agnostic"}.get(protocol, str(protocol))
+
+
 def _rule_header(f: str) -> str:
     return {"truncation": "Trunc.", "limit": "Limit", "data": "Data", "random_weights": "Random weights"}.get(f, f)
 
@@ -382,21 +424,24 @@ def longbench_e_table(runs: list[Run]) -> tuple[list[dict], str]:
         rules = s.get("rules") or {}
         label, _ = method_setting(method)
         b = s.get("bucket_average") or {}
-        rows.append({"model": run.model.get("name", "?"), "setting": label, "method_tag": run.data.get("method_tag"),
-                     "chat_format": rules.get("chat_format"), "first_token_guard": "all tasks" if rules.get("min_new_tokens_all_tasks") else "samsum only",
+        rows.append({"model": run.model.get("name", "?"), "setting": label, "protocol": run.protocol,
+                     "method_tag": run.data.get("method_tag"), "chat_format": rules.get("chat_format"), "first_token_guard": "all tasks" if rules.get("min_new_tokens_all_tasks") else "samsum only",
                      "code_sim": s.get("code_sim_backend"), "gqa": method.get("gqa", "-") if method.get("name") != "full" else "-",
                      "limit": s.get("limit"), "tasks_run": len(s.get("scores") or {}), "0-4k": b.get("0-4k"), "4-8k": b.get("4-8k"),
                      "8k+": b.get("8k+"), "avg": s.get("average"), "device": run.device, "run": run.rel, "note": ""})
         run.used_in.append("longbench_e")
     if not rows:
         return rows, ""
-    rows.sort(key=lambda r: (_model_sort(r["model"]), _setting_sort(r["setting"]), r["run"]))
-    flag_duplicates(rows, ("model", "method_tag", "chat_format", "first_token_guard", "code_sim", "gqa", "limit", "tasks_run"))
-    headers = ["Model", "Setting", "Chat", "1st-token guard", "code_sim", "GQA", "Limit", "Tasks", "0-4k", "4-8k", "8k+", "Avg."]
-    body = [[r["model"], r["setting"], r["chat_format"], r["first_token_guard"], r["code_sim"], r["gqa"], _fmt(r["limit"]),
-             r["tasks_run"], _fmt(r["0-4k"]), _fmt(r["4-8k"]), _fmt(r["8k+"]), _fmt(r["avg"])] for r in rows]
+    rows.sort(key=lambda r: (_model_sort(r["model"]), _protocol_rank(r["protocol"]), _setting_sort(r["setting"]), r["run"]))
+    flag_duplicates(rows, ("model", "protocol", "method_tag", "chat_format", "first_token_guard", "code_sim", "gqa", "limit",
+                           "tasks_run"))
+    headers = ["Model", "Setting", "Protocol", "Chat", "1st-token guard", "code_sim", "GQA", "Limit", "Tasks", "0-4k", "4-8k",
+               "8k+", "Avg."]
+    body = [[r["model"], r["setting"], _protocol_label(r["protocol"]), r["chat_format"], r["first_token_guard"], r["code_sim"],
+             r["gqa"], _fmt(r["limit"]), r["tasks_run"], _fmt(r["0-4k"]), _fmt(r["4-8k"]), _fmt(r["8k+"]), _fmt(r["avg"])]
+            for r in rows]
     md = "\n".join(["## LongBench-E (average over tasks, per length bucket)", "",
-                    markdown_table(headers, body, ["l"] * 8 + ["r"] * 4), ""]) + "\n"
+                    markdown_table(headers, body, ["l"] * 9 + ["r"] * 4), ""]) + "\n"
     return rows, md
 
 
@@ -444,8 +489,8 @@ def needle_rows(runs: list[Run]) -> list[dict]:
             longest_ok = n
         s = run.data.get("summary") or {}
         rows.append({
-            "model": run.model.get("name", "?"), "setting": label, "method_tag": run.data.get("method_tag"),
-            "prompt_style": task_cfg.get("prompt_style"), "chat_format": run.model.get("chat_format"),
+            "model": run.model.get("name", "?"), "setting": label, "protocol": run.protocol,
+            "method_tag": run.data.get("method_tag"), "prompt_style": task_cfg.get("prompt_style"), "chat_format": run.model.get("chat_format"),
             "score_name": s.get("score_name", "score"), "device": run.device,
             "cells": len(cells), "failed_cells": len(failed), "first_failed_length": fail_lengths[0] if fail_lengths else None,
             "first_oom_length": oom[0] if oom else None,
@@ -457,8 +502,8 @@ def needle_rows(runs: list[Run]) -> list[dict]:
             "run": run.rel, "note": "", "_cells": cells, "_run": run, "_method": method,
         })
         run.used_in.append("needle")
-    rows.sort(key=lambda r: (r["model"], _setting_sort(r["setting"]), r["run"]))
-    flag_duplicates(rows, ("model", "method_tag", "prompt_style", "chat_format", "device"))
+    rows.sort(key=lambda r: (r["model"], _protocol_rank(r["protocol"]), _setting_sort(r["setting"]), r["run"]))
+    flag_duplicates(rows, ("model", "protocol", "method_tag", "prompt_style", "chat_format", "device"))
     return rows
 
 
@@ -481,7 +526,8 @@ def needle_table(rows: list[dict], out: Path) -> str:
     heat_dir.mkdir(parents=True, exist_ok=True)
     used_names: set[str] = set()
     for r in rows:
-        name = _safe(f"{r['model']}__{r['method_tag']}__{r['prompt_style']}")
+        name = _safe(f"{r['model']}__{r['method_tag']}__{r['prompt_style']}"
+                     + ("" if r["protocol"] == "query_aware" else f"__{r['protocol']}"))
         base, i = name, 2
         while name in used_names:
             name, i = f"{base}_{i}", i + 1
@@ -495,19 +541,20 @@ def needle_table(rows: list[dict], out: Path) -> str:
 
             needle_heatmap(r["_cells"], target, title=f"{r['model']} · {r['method_tag']}", score_key="score")
         r["heatmap"] = f"needle/{target.name}" if target.exists() else None
-    series = {f"{r['model']} · {r['setting']}": sorted(_by_length(r["_cells"]).items()) for r in rows}
+    series = {f"{r['model']} · {r['setting']}" + ("" if r["protocol"] == "query_aware" else f" · {_protocol_label(r['protocol'])}"):
+              sorted(_by_length(r["_cells"]).items()) for r in rows}
     if any(series.values()):
         from harness.plots import line_plot
 
         line_plot(series, out / "needle_by_length.png", title="Needle: mean score per prompt length",
                   xlabel="prompt tokens", ylabel=rows[0]["score_name"], logx=True)
-    headers = ["Model", "Setting", "Prompt", "Chat", "Device", "Cells", *buckets, "Mean", "Strict acc.", "All depths correct up to",
-               "Failed cells (first at)", "Heatmap"]
-    body = [[r["model"], r["setting"], r["prompt_style"], r["chat_format"], r["device"], r["cells"],
+    headers = ["Model", "Setting", "Protocol", "Prompt", "Chat", "Device", "Cells", *buckets, "Mean", "Strict acc.",
+               "All depths correct up to", "Failed cells (first at)", "Heatmap"]
+    body = [[r["model"], r["setting"], _protocol_label(r["protocol"]), r["prompt_style"], r["chat_format"], r["device"], r["cells"],
              *[_fmt(r["buckets"].get(b), 3) for b in buckets], _fmt(r["mean_score"], 3), _fmt(r["strict_accuracy"], 3),
              _fmt(r["longest_all_strict"]), f"{r['failed_cells']}" + (f" ({r['first_failed_length']}{', OOM' if r['first_oom_length'] else ''})" if r["failed_cells"] else ""),
              f"[png]({r['heatmap']})" if r.get("heatmap") else "–"] for r in rows]
-    lines = ["## Needle in a haystack", "", markdown_table(headers, body, ["l"] * 5 + ["r"] * (len(buckets) + 5) + ["l"]), "",
+    lines = ["## Needle in a haystack", "", markdown_table(headers, body, ["l"] * 6 + ["r"] * (len(buckets) + 5) + ["l"]), "",
              f"- Score: {rows[0]['score_name']} of the needle's answer in the response (judge-free), mean per prompt-length "
              "bucket (tokens, template included); Strict acc.: share of cells with every key fact of the needle.",
              "- All depths correct up to: the longest prompt length L such that every cell at every length <= L is strictly "
@@ -642,14 +689,15 @@ def claims_rows(claims: list[dict], eff: list[dict], searches: list[dict], needl
                         f"SnapKV {h['max_length']}{' = search upper bound' if h['reached_upper'] else ''} tokens)")
                 where = h["run"]
         elif cid in ("needle_max_length", "needle_retrieval"):
-            hits = [r for r in needle if r["model"] == model and all(r["_method"].get(k) == v for k, v in PAPER_NEEDLE.items())]
+            hits = [r for r in needle if r["model"] == model and r["protocol"] == "query_aware"
+                    and all(r["_method"].get(k) == v for k, v in PAPER_NEEDLE.items())]
             if hits:
                 h = hits[-1]
                 ours = (f"longest prompt done {h['max_length_done']} tokens" if cid == "needle_max_length"
                         else f"all depths correct up to {h['longest_all_strict']}; mean {h['score_name']} {h['mean_score']}")
                 where = h["run"]
         elif cid == "needle_full_oom":
-            hits = [r for r in needle if r["model"] == model and r["setting"] == "All KV"]
+            hits = [r for r in needle if r["model"] == model and r["setting"] == "All KV" and r["protocol"] == "query_aware"]
             if hits:
                 h = hits[-1]
                 ours = (f"first out-of-memory cell at {h['first_oom_length']} tokens" if h["first_oom_length"]
@@ -683,9 +731,41 @@ def claims_table(rows: list[dict]) -> str:
                       "other hardware than the paper's are not the paper's numbers: compare ratios, not seconds."]) + "\n"
 
 
+# ------------------------------------------------------------------------------------------ paired deltas
+
+def paired_table(rows: list[PairedRow], notes: list[str], n_resamples: int, seed: int) -> str:
+    """Markdown: each compressed setting minus its full-cache run, per task, with the bootstrap interval."""
+    if not rows:
+        return ""
+    order = {}
+    for r in rows:  # runs grouped by model, protocol, setting; within a run the task order of pair_runs
+        order.setdefault(r.setting, (_model_sort(r.model), _protocol_rank(r.protocol), _setting_sort(method_setting(r.method)[0]),
+                                     r.setting))
+    ranked = sorted(enumerate(rows), key=lambda ir: (order[ir[1].setting], ir[0]))
+    headers = ["Model", "Setting", "Protocol", "Task", "Δ vs full", "95% CI", "n", "", "Run", "Full run"]
+    body = []
+    for _, r in ranked:
+        digits = 3 if r.task == NEEDLE else 2
+        task = {AVERAGE: f"Avg. ({r.tasks_averaged} task{'s' if r.tasks_averaged != 1 else ''})",
+                NEEDLE: "needle mean"}.get(r.task, SHORT_NAMES.get(r.task, r.task))
+        body.append([r.model, method_setting(r.method)[0], _protocol_label(r.protocol), task, f"{r.delta:+.{digits}f}",
+                     f"[{r.ci_low:+.{digits}f}, {r.ci_high:+.{digits}f}]", r.n, "~ noise" if r.noise else "",
+                     f"`{r.setting}`", f"`{r.full_run}`"])
+    lines = ["## Paired differences to the full cache", "",
+             markdown_table(headers, body, ["l"] * 4 + ["r"] * 3 + ["l"] * 3), "",
+             "- Δ vs full: mean over the items both runs finished of (setting − full cache), same model, task, protocol and "
+             "task settings; LongBench in points (official metric x 100), needle in score units. n: paired items.",
+             f"- 95% CI: percentile interval of {n_resamples} paired bootstrap resamples (items with replacement, seed {seed}); "
+             "Avg.: the mean of the task means, items resampled within each task. `~ noise`: the interval contains 0.",
+             "- Also as paired_deltas.csv (`setting` = the run directory, `task` = a LongBench task, `average` or `needle`)."]
+    lines += [f"- {n}." for n in dict.fromkeys(notes)]
+    return "\n".join(lines) + "\n"
+
+
 # ------------------------------------------------------------------------------------------ main
 
-def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_file: Path = PAPER_CLAIMS) -> dict:
+def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_file: Path = PAPER_CLAIMS,
+          resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> dict:
     """Collect `folder`, write every table into `out`; returns what was written (for callers and tests)."""
     folder, out = Path(folder), Path(out)
     if not folder.is_dir():
@@ -704,16 +784,16 @@ def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_fi
 
     lb_rows, lb_md, vs_md = longbench_tables(runs, paper)
     if lb_rows:
-        fields = ["model", "setting", "method_tag", *LB_RULES, *LB_EXTRA_RULES, "tasks_run", "items", *LONGBENCH_EN_TASKS, "avg",
+        fields = ["model", "setting", "protocol", "method_tag", *LB_RULES, *LB_EXTRA_RULES, "tasks_run", "items", *LONGBENCH_EN_TASKS, "avg",
                   "all_16", "paper_model", "paper_setting", "paper_avg", "delta_avg", "device", "note", "run"]
         write_csv(out / "longbench.csv", lb_rows, fields)
         (out / "longbench.md").write_text(lb_md, encoding="utf-8")
         sections.append(("longbench.md", lb_md))
         matched = [r for r in lb_rows if r["_paper"]]
         if matched:
-            vs_rows = [{"model": r["model"], "setting": r["setting"], "run": r["run"], "delta_avg": r["delta_avg"],
+            vs_rows = [{"model": r["model"], "setting": r["setting"], "protocol": r["protocol"], "run": r["run"], "delta_avg": r["delta_avg"],
                         **{t: r["_task_deltas"][t] for t in LONGBENCH_EN_TASKS}} for r in matched]
-            write_csv(out / "longbench_vs_paper.csv", vs_rows, ["model", "setting", *LONGBENCH_EN_TASKS, "delta_avg", "run"])
+            write_csv(out / "longbench_vs_paper.csv", vs_rows, ["model", "setting", "protocol", *LONGBENCH_EN_TASKS, "delta_avg", "run"])
             (out / "longbench_vs_paper.md").write_text(vs_md, encoding="utf-8")
             sections.append(("longbench_vs_paper.md", vs_md))
     written["longbench"] = lb_rows
@@ -729,7 +809,7 @@ def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_fi
     if n_rows:
         n_md = needle_table(n_rows, out)
         buckets = [k for k in n_rows[0] if k.startswith("bucket ")]
-        fields = ["model", "setting", "method_tag", "prompt_style", "chat_format", "score_name", "device", "cells", *buckets,
+        fields = ["model", "setting", "protocol", "method_tag", "prompt_style", "chat_format", "score_name", "device", "cells", *buckets,
                   "mean_score", "strict_accuracy", "longest_all_strict", "max_length_done", "failed_cells", "first_failed_length",
                   "first_oom_length", "heatmap", "note", "run"]
         write_csv(out / "needle.csv", n_rows, fields)
@@ -746,6 +826,18 @@ def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_fi
         (out / "efficiency.md").write_text(e_md, encoding="utf-8")
         sections.append(("efficiency.md", e_md))
     written["efficiency"], written["max_length"] = eff, searches
+
+    p_rows, p_notes = pair_runs(runs, n_resamples=resamples, seed=seed)
+    if p_rows:
+        p_md = paired_table(p_rows, p_notes, resamples, seed)
+        write_csv(out / "paired_deltas.csv", [r.csv_row() for r in p_rows], PAIRED_FIELDS)
+        (out / "paired_deltas.md").write_text(p_md, encoding="utf-8")
+        sections.append(("paired_deltas.md", p_md))
+        paired_runs = {r.setting for r in p_rows} | {r.full_run for r in p_rows}
+        for run in runs:
+            if run.rel in paired_runs:
+                run.used_in.append("paired_deltas")
+    written["paired_deltas"], written["paired_notes"] = p_rows, p_notes
 
     c_rows = claims_rows(load_claims(claims_file), eff, searches, n_rows)
     if c_rows:
@@ -783,6 +875,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("folder", type=Path, help="folder holding run directories (searched recursively for results.json)")
     parser.add_argument("--name", default=None, help="table set name: writes <out>/<name>/ (default: the folder's name)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results", help="parent folder of the table sets (default: results/)")
+    parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES,
+                        help=f"paired bootstrap resamples for paired_deltas (default {DEFAULT_RESAMPLES})")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"bootstrap seed (default {DEFAULT_SEED})")
     parser.add_argument("--paper-table", type=Path, default=PAPER_TABLE, help=argparse.SUPPRESS)
     parser.add_argument("--claims", type=Path, default=PAPER_CLAIMS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -791,7 +886,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = args.name or args.folder.resolve().name
     target = args.out / name
-    written = build(args.folder, target, paper_table=args.paper_table, claims_file=args.claims)
+    if args.resamples < 1:
+        print(f"error: --resamples {args.resamples}: must be a positive number", file=sys.stderr)
+        return 2
+    written = build(args.folder, target, paper_table=args.paper_table, claims_file=args.claims, resamples=args.resamples,
+                    seed=args.seed)
     print(f"report: {written['runs']} run(s) -> {target}/ ({', '.join(written['sections']) or 'no tables'})")
     return 0
 

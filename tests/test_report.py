@@ -130,7 +130,7 @@ def test_longbench_table_paper_columns_and_deltas(tmp_path):
     assert cols[-3:] == ["Avg.", "Paper Avg.", "Δ"]
     for rule in ("Chat", "1st-token guard", "code_sim", "GQA", "Limit", "Random weights"):  # limit and weights vary here
         assert rule in cols
-    assert "| mistral-7b-instruct-v0.2 | All KV | none | all tasks | difflib | - |" in md and "+1.00" in md
+    assert "| mistral-7b-instruct-v0.2 | All KV | query-aware | none | all tasks | difflib | - |" in md and "+1.00" in md
 
     vs = read_csv(out / "longbench_vs_paper.csv")
     snap_vs = next(r for r in vs if r["run"] == "lb/mistral/snapkv")
@@ -305,3 +305,271 @@ def test_report_does_not_import_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+# ------------------------------------------------------------------------------------------ protocol and paired deltas
+# The coming layout: outputs/<task>/<model>/<setting tag>/results.json, the settings of one "methods" run side by side.
+
+from harness.stats import bootstrap_mean_ci, stratified_bootstrap_ci  # noqa: E402
+
+MISTRAL = "mistral-7b-instruct-v0.2"
+
+
+def lb_methods_run(folder: Path, rel: str, method: dict, tag: str, correct: dict[str, list[bool]], *, query_aware=None,
+                   protocol=None, store_scores=False, shards=1, limit=None, recorded: dict | None = None) -> Path:
+    """A scored LongBench run with its pred/<task>.jsonl: passage_retrieval_en / passage_count items scored 0 or 1 by
+    the official metric (the prediction names the gold paragraph / count, or another one)."""
+    d = folder / rel
+    (d / "pred").mkdir(parents=True, exist_ok=True)
+    scores, items = {}, {}
+    for task, oks in correct.items():
+        lines: dict[int, list[str]] = {}
+        for i, ok in enumerate(oks):
+            if task == "passage_retrieval_en":
+                answer, pred = f"Paragraph {i % 5 + 1}", f"Paragraph {i % 5 + 1 if ok else i % 5 + 2}"
+            else:
+                answer, pred = str(i % 7 + 1), str(i % 7 + 1 if ok else i % 7 + 2)
+            rec = {"index": i, "_id": f"{task}-{i}", "pred": pred, "answers": [answer], "all_classes": None, "length": 1000}
+            if store_scores:
+                rec["score"] = 1.0 if ok else 0.0
+            lines.setdefault(i % shards, []).append(json.dumps(rec))
+        for k, recs in lines.items():
+            name = f"{task}.jsonl" if shards == 1 else f"{task}.shard{k}of{shards}.jsonl"
+            (d / "pred" / name).write_text("\n".join(recs) + "\n" + '{"index": 0, "_id": "torn', encoding="utf-8")  # a torn last line
+        scores[task] = round(100 * sum(oks) / len(oks), 2)
+        items[task] = len(oks)
+    scores.update(recorded or {})
+    data = longbench_results(MISTRAL, method, scores, tag=tag, limit=limit)
+    data["summary"].update(items=items, shards_merged=shards, total_items=sum(items.values()))
+    if protocol:
+        data["summary"]["protocol"] = protocol
+    data["config"]["task"] = {"name": "longbench", "datasets": list(correct), "limit": limit, "code_sim_backend": "difflib",
+                              "shard": {"index": 0, "count": shards}}
+    if query_aware is not None:
+        data["config"]["task"]["query_aware"] = query_aware
+    (d / "results.json").write_text(json.dumps(data), encoding="utf-8")
+    return d
+
+
+def paired(out: Path) -> dict[tuple[str, str], dict]:
+    rows = read_csv(out / "paired_deltas.csv")
+    return {(r["setting"], r["task"]): r for r in rows}
+
+
+def test_paired_deltas_longbench_methods_layout(tmp_path):
+    outputs = tmp_path / "outputs"
+    base = "longbench/" + MISTRAL
+    n = 20
+    full_ok = {"passage_retrieval_en": [True] * n, "passage_count": [i % 2 == 0 for i in range(n)]}
+    # SnapKV: retrieval loses items 0-5; count identical to full (delta 0, CI [0, 0]: noise)
+    snap_ok = {"passage_retrieval_en": [i >= 6 for i in range(n)], "passage_count": list(full_ok["passage_count"])}
+    lb_methods_run(outputs, f"{base}/full", FULL, "full", full_ok, shards=2)             # sharded predictions, query_aware absent
+    lb_methods_run(outputs, f"{base}/snapkv_c1024", SNAPKV_PAPER, "snapkv_c1024", snap_ok, query_aware=True, store_scores=True)
+    # query-agnostic settings of the same methods run: paired with the query-agnostic full cache only
+    agn_full = {"passage_retrieval_en": [i % 4 != 0 for i in range(n)], "passage_count": [True] * n}
+    agn_snap = {"passage_retrieval_en": [False] * n, "passage_count": [True] * n}
+    lb_methods_run(outputs, f"{base}/full_qagn", FULL, "full_qagn", agn_full, query_aware=False)
+    lb_methods_run(outputs, f"{base}/snapkv_c1024_qagn", SNAPKV_PAPER, "snapkv_c1024_qagn", agn_snap, protocol="query_agnostic")
+    # stored per-item scores on the wrong scale: recomputed from the predictions instead
+    lb_methods_run(outputs, f"{base}/h2o_c4096", H2O_4096, "h2o_c4096", snap_ok, store_scores=True)
+    p = outputs / base / "h2o_c4096" / "pred" / "passage_count.jsonl"
+    recs = [json.loads(x) for x in p.read_text().splitlines()[:-1]]
+    p.write_text("".join(json.dumps({**r, "score": 100 * r["score"]}) + "\n" for r in recs))
+    # other task settings (a limit): never paired with the full run of all items
+    lb_methods_run(outputs, f"{base}/snapkv_limit", SNAPKV_PAPER, "snapkv_limit", {k: v[:10] for k, v in snap_ok.items()}, limit=10)
+    # a recorded task score its predictions do not reproduce: that task is left out, with a note
+    lb_methods_run(outputs, f"{base}/streamingllm", {"name": "streamingllm", "budget": 1024, "sink_tokens": 4}, "streamingllm",
+                   snap_ok, recorded={"passage_count": 12.34})
+
+    out = tmp_path / "tables"
+    written = build(outputs, out, resamples=2000, seed=0)
+    assert "paired_deltas.md" in written["sections"]
+    assert (out / "paired_deltas.csv").read_text().splitlines()[0] == "setting,task,delta,ci_low,ci_high,n"
+    rows = paired(out)
+
+    # SnapKV minus full, computed here from the item outcomes
+    snap = f"{base}/snapkv_c1024"
+    ret = [100.0 * (s - f) for s, f in zip(snap_ok["passage_retrieval_en"], full_ok["passage_retrieval_en"])]
+    r = rows[(snap, "passage_retrieval_en")]
+    assert float(r["delta"]) == pytest.approx(-30.0) and r["n"] == str(n)
+    expected = bootstrap_mean_ci(ret, n_resamples=2000, seed=0)
+    assert (float(r["ci_low"]), float(r["ci_high"])) == (pytest.approx(expected.low, abs=1e-6), pytest.approx(expected.high, abs=1e-6))
+    assert float(r["ci_low"]) < -30.0 < float(r["ci_high"]) < 0
+    c = rows[(snap, "passage_count")]
+    assert (float(c["delta"]), float(c["ci_low"]), float(c["ci_high"]), c["n"]) == (0.0, 0.0, 0.0, str(n))
+    avg = rows[(snap, "average")]
+    assert float(avg["delta"]) == pytest.approx(-15.0) and avg["n"] == str(2 * n)
+    exp_avg = stratified_bootstrap_ci([ret, [0.0] * n], n_resamples=2000, seed=0)
+    assert float(avg["ci_low"]) == pytest.approx(exp_avg.low, abs=1e-6) and float(avg["ci_high"]) == pytest.approx(exp_avg.high, abs=1e-6)
+
+    # query-agnostic SnapKV is paired with the query-agnostic full run, never the query-aware one
+    agn = f"{base}/snapkv_c1024_qagn"
+    assert float(rows[(agn, "passage_retrieval_en")]["delta"]) == pytest.approx(-75.0)
+    assert float(rows[(agn, "passage_count")]["delta"]) == 0.0
+    # H2O: recomputed scores equal the stored-score run's
+    h2o = f"{base}/h2o_c4096"
+    assert rows[(h2o, "passage_count")]["delta"] == rows[(snap, "passage_count")]["delta"]
+    assert rows[(h2o, "passage_retrieval_en")]["ci_low"] == rows[(snap, "passage_retrieval_en")]["ci_low"]
+    assert not any(k[0] == f"{base}/snapkv_limit" for k in rows)
+    streaming = f"{base}/streamingllm"
+    assert (streaming, "passage_retrieval_en") in rows and (streaming, "passage_count") not in rows
+    assert rows[(streaming, "average")]["n"] == str(n)
+    assert not any(k[0].endswith("/full") or k[0].endswith("/full_qagn") for k in rows)  # full is the reference, never a row
+
+    md = (out / "paired_deltas.md").read_text()
+    assert "| PRe | -30.00 |" in md and "~ noise" in md
+    snap_count = next(line for line in md.splitlines() if f"`{snap}`" in line and "| PCount |" in line)
+    snap_ret = next(line for line in md.splitlines() if f"`{snap}`" in line and "| PRe |" in line)
+    assert "~ noise" in snap_count and "~ noise" not in snap_ret and f"`{base}/full`" in snap_ret
+    agn_line = next(line for line in md.splitlines() if f"`{agn}`" in line and "| PRe |" in line)
+    assert "query-agnostic" in agn_line and f"`{base}/full_qagn`" in agn_line
+    assert "no full-cache run" in md and "snapkv_limit" in md
+    assert "passage_count: per-item scores give" in md and "12.34" in md
+    readme = (out / "README.md").read_text()
+    assert "## Paired differences to the full cache" in readme
+
+    # the LongBench table: every setting of the tree, the protocol as a column, query-agnostic rows never matched to the paper
+    lb = {r["run"]: r for r in read_csv(out / "longbench.csv")}
+    assert len(lb) == 7
+    assert lb[f"{base}/full"]["protocol"] == "query_aware" and lb[f"{base}/full_qagn"]["protocol"] == "query_agnostic"
+    assert lb[agn]["protocol"] == "query_agnostic" and lb[agn]["paper_setting"] == "" and lb[snap]["paper_setting"] == "SnapKV 1024"
+    assert "same key" not in lb[agn]["note"] and "same key" not in lb[snap]["note"]
+    md_lb = (out / "longbench.md").read_text()
+    header = next(line for line in md_lb.splitlines() if line.startswith("| Model"))
+    assert [c.strip() for c in header.strip("|").split("|")][:3] == ["Model", "Setting", "Protocol"]
+    order = [line.split("|")[3].strip() for line in md_lb.splitlines() if line.startswith(f"| {MISTRAL}")]
+    assert order == sorted(order, key=lambda p: p != "query-aware")  # query-aware rows first, then query-agnostic
+    runs_table = {r["run"]: r for r in read_csv(out / "runs.csv")}
+    assert "paired_deltas" in runs_table[snap]["tables"] and "paired_deltas" in runs_table[f"{base}/full"]["tables"]
+
+    # deterministic: a rebuild gives the same file; another seed moves the intervals, not the deltas
+    first = (out / "paired_deltas.csv").read_text()
+    build(outputs, out, resamples=2000, seed=0)
+    assert (out / "paired_deltas.csv").read_text() == first
+    build(outputs, tmp_path / "other", resamples=2000, seed=1)
+    other = paired(tmp_path / "other")
+    assert other[(snap, "passage_retrieval_en")]["delta"] == rows[(snap, "passage_retrieval_en")]["delta"]
+
+
+def test_paired_deltas_needle_cells_and_protocols(tmp_path):
+    outputs = tmp_path / "outputs"
+    snap = {"name": "snapkv", "budget": 1024, "window_size": 16, "kernel_size": 5, "pooling": "maxpool", "gqa": "expand"}
+    grid = [(n, d) for n in (1000, 2000, 4000) for d in (0, 50, 100)]
+    full_scores = {c: 1.0 for c in grid}
+    snap_scores = {c: (0.5 if c[1] == 50 else 1.0) for c in grid}
+    full_cells = [(n, d, full_scores[(n, d)], True) for n, d in grid if n < 4000]  # 4000: out of memory
+    snap_cells = [(n, d, s, s == 1.0) for (n, d), s in snap_scores.items()]
+
+    def needle(rel, method, tag, cells, failed=(), query_aware=None, lengths=(1000, 2000, 4000)):
+        data = needle_results("lwm-text-chat-1m", method, tag, cells, failed=failed)
+        data["config"]["task"].update(lengths=list(lengths), depths=[0, 50, 100])
+        if query_aware is not None:
+            data["config"]["task"]["query_aware"] = query_aware
+        write(outputs, rel, data)
+
+    needle("needle/lwm/full", FULL, "full", full_cells, failed=[(4000, 0), (4000, 50), (4000, 100)])
+    needle("needle/lwm/snapkv", snap, "snapkv", snap_cells)
+    needle("needle/lwm/snapkv_qagn", snap, "snapkv_qagn", snap_cells, query_aware=False)    # no query-agnostic full run
+    needle("needle/lwm/snapkv_short", snap, "snapkv_short", snap_cells[:3], lengths=(1000,))  # another grid
+    out = tmp_path / "tables"
+    build(outputs, out, resamples=1000, seed=0)
+    rows = paired(out)
+    assert set(rows) == {("needle/lwm/snapkv", "needle")}
+    r = rows[("needle/lwm/snapkv", "needle")]
+    common = [c for c in grid if c[0] < 4000]
+    diffs = [snap_scores[c] - full_scores[c] for c in common]
+    assert r["n"] == "6" and float(r["delta"]) == pytest.approx(sum(diffs) / len(diffs), abs=1e-6)
+    expected = bootstrap_mean_ci(diffs, n_resamples=1000, seed=0)
+    assert float(r["ci_low"]) == pytest.approx(expected.low, abs=1e-6) and float(r["ci_high"]) == pytest.approx(expected.high, abs=1e-6)
+    md = (out / "paired_deltas.md").read_text()
+    assert "needle mean" in md and "snapkv_qagn" in md and "no full-cache run" in md
+
+    needle_rows = {x["run"]: x for x in read_csv(out / "needle.csv")}
+    assert needle_rows["needle/lwm/snapkv_qagn"]["protocol"] == "query_agnostic"
+    assert needle_rows["needle/lwm/snapkv"]["protocol"] == "query_aware"
+    assert "same key" not in needle_rows["needle/lwm/snapkv_qagn"]["note"]
+    header = next(line for line in (out / "needle.md").read_text().splitlines() if line.startswith("| Model"))
+    assert [c.strip() for c in header.strip("|").split("|")][:3] == ["Model", "Setting", "Protocol"]
+    heatmaps = sorted(x.name for x in (out / "needle").glob("*.png"))
+    assert len(heatmaps) == 4 and any("query_agnostic" in h for h in heatmaps)
+
+
+def test_protocol_from_summary_then_config():
+    from harness.report import run_protocol
+
+    assert run_protocol({}) == "query_aware"
+    assert run_protocol({"config": {"task": {"query_aware": True}}}) == "query_aware"
+    assert run_protocol({"config": {"task": {"query_aware": False}}}) == "query_agnostic"
+    assert run_protocol({"summary": {"protocol": "query_agnostic"}, "config": {"task": {}}}) == "query_agnostic"
+    assert run_protocol({"summary": {"protocol": "query_aware"}, "config": {"task": {"query_aware": False}}}) == "query_aware"
+
+
+def test_cli_paired_options(tmp_path):
+    outputs = tmp_path / "outputs"
+    ok = {"passage_count": [True, False, True, True]}
+    lb_methods_run(outputs, "longbench/m/full", FULL, "full", ok)
+    lb_methods_run(outputs, "longbench/m/snapkv", SNAPKV_PAPER, "snapkv", {"passage_count": [False] * 4})
+    cmd = [sys.executable, "-m", "harness.report", str(outputs), "--out", str(tmp_path / "r"), "--resamples", "500", "--seed", "3"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "paired_deltas.md" in proc.stdout
+    rows = paired(tmp_path / "r" / "outputs")
+    assert float(rows[("longbench/m/snapkv", "passage_count")]["delta"]) == -75.0
+    assert "500 paired bootstrap resamples" in (tmp_path / "r" / "outputs" / "paired_deltas.md").read_text()
+    bad = subprocess.run([*cmd[:-4], "--resamples", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error:")
+
+
+def test_recomputed_item_scores_reproduce_the_official_scorer_on_every_task(tmp_path):
+    """The recompute path (no stored `score`): official metric per item, all 16 English tasks of the fixture data,
+    predictions of graded quality; the task score from metrics.longbench.scorer must be reproduced exactly."""
+    from harness.paired import longbench_items
+    from harness.report import collect
+    from metrics.longbench import scorer
+
+    fixtures = REPO / "tests" / "fixtures" / "longbench"
+    d = tmp_path / "runs" / "longbench" / "m" / "full"
+    (d / "pred").mkdir(parents=True)
+    scores, items = {}, {}
+    for task in LONGBENCH_EN_TASKS:
+        rows = [json.loads(line) for line in (fixtures / f"{task}.jsonl").read_text().splitlines() if line.strip()]
+        recs = []
+        for i, row in enumerate(rows):
+            answer = row["answers"][0]
+            pred = [answer, answer[: max(1, len(answer) // 2)] + " and more words", "nothing relevant here"][i % 3]
+            recs.append({"index": i, "_id": row["_id"], "pred": "\n" + pred if task == "samsum" and i == 1 else pred,
+                         "answers": row["answers"], "all_classes": row["all_classes"], "length": row["length"]})
+        (d / "pred" / f"{task}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        scores[task] = scorer(task, [r["pred"] for r in recs], [r["answers"] for r in recs], recs[-1]["all_classes"])
+        items[task] = len(recs)
+    data = longbench_results(MISTRAL, FULL, scores, tag="full")
+    data["summary"].update(items=items, shards_merged=1)
+    (d / "results.json").write_text(json.dumps(data))
+    runs, _ = collect(tmp_path / "runs")
+    per_item, notes = longbench_items(runs[0])
+    assert notes == [] and set(per_item) == set(LONGBENCH_EN_TASKS)
+    for task, by_item in per_item.items():
+        assert len(by_item) == items[task]
+        assert round(sum(by_item.values()) / len(by_item), 2) == pytest.approx(scores[task], abs=0.011)
+    assert 0 < sum(scores.values()) / len(scores) < 100  # graded: neither all right nor all wrong
+
+
+def test_paired_prefers_a_scored_sibling_full_run(tmp_path):
+    outputs = tmp_path / "outputs"
+    ok = {"passage_count": [True, True, False, True]}
+    lb_methods_run(outputs, "a/full", FULL, "full", ok)
+    lb_methods_run(outputs, "b/full", FULL, "full", {"passage_count": [False] * 4})
+    lb_methods_run(outputs, "b/snapkv", SNAPKV_PAPER, "snapkv", ok)           # sibling of b/full
+    lb_methods_run(outputs, "c/full", FULL, "full", ok)
+    lb_methods_run(outputs, "d/snapkv", SNAPKV_PAPER, "snapkv", ok)           # no sibling: the first in path order
+    unscored = json.loads((outputs / "c/full/results.json").read_text())
+    unscored["summary"] = {"status": "incomplete", "tasks": ["passage_count"]}
+    (outputs / "c/full/results.json").write_text(json.dumps(unscored))
+    lb_methods_run(outputs, "c/snapkv", SNAPKV_PAPER, "snapkv", ok)           # its sibling is not scored: a/full
+    build(outputs, tmp_path / "t", resamples=200)
+    rows = paired(tmp_path / "t")
+    assert float(rows[("b/snapkv", "passage_count")]["delta"]) == 75.0
+    assert float(rows[("d/snapkv", "passage_count")]["delta"]) == 0.0 and float(rows[("c/snapkv", "passage_count")]["delta"]) == 0.0
+    md = (tmp_path / "t" / "paired_deltas.md").read_text()
+    assert "`c/snapkv`: 3 full-cache runs match; paired with `a/full`" in md
+    assert "`b/snapkv`: 3 full-cache runs match; paired with `b/full`" in md
