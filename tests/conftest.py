@@ -37,6 +37,8 @@ def tiny_model(family: str = "llama", attn: str = "sdpa", *, layers: int = 2, he
                   num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=4096)
     if family == "qwen3":
         kwargs["head_dim"] = 64 // heads
+    if family == "mistral":  # Mistral-7B-v0.2 and later: full attention (v0.1's sliding window: see the hybrid tests)
+        kwargs["sliding_window"] = None
     if family == "mixtral":
         kwargs.update(num_local_experts=4, num_experts_per_tok=2)
     config = AutoConfig.for_model(family, **kwargs)

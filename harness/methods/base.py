@@ -11,7 +11,7 @@ and the shared code below does the budget, the GQA handling and the gather.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import ClassVar
 
 import torch
@@ -30,12 +30,50 @@ def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 @dataclass
+class LayerStats:
+    """What the engine captured for one layer during the prefill of the compressed part.
+
+    `queries`: the last `window` prompt queries after RoPE (B, Hq, window, d): the largest window any
+    method of the run asked for; a method slices its own. `column_sums`: (B, Hq, L) float32, the causal
+    softmax attention every prompt query gave every position, summed over the queries (H2O), present
+    when a method asked for it. `scaling`: the attention module's softmax scale (1/sqrt(d) for most
+    families; Gemma's query_pre_attn_scalar differs). `shared`: scores already computed for this layer,
+    keyed by `ScoredMethod.score_key()`, so methods with the same scoring (all the budgets of one
+    SnapKV setting, PyramidKV with SnapKV's window) compute it once.
+    """
+
+    layer_idx: int
+    num_layers: int
+    queries: torch.Tensor | None = None
+    column_sums: torch.Tensor | None = None
+    scaling: float | None = None
+    shared: dict = field(default_factory=dict)
+
+    def window_queries(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.queries
+        return self.queries[:, :, self.queries.shape[2] - window:]
+
+
+@dataclass
+class Selection:
+    """One layer's compressed cache: keys/values (B, H, kept, d) and the prompt position of every kept
+    entry (B, H, kept), ascending; `positions` is None when the layer was kept whole."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor | None = None
+
+
+@dataclass
 class CompressionMethod:
-    """Base class: no compression. Subclasses set `name` and override `compress`."""
+    """Base class: no compression. Subclasses set `name` and override `select`."""
 
     name: ClassVar[str] = "full"
-    # How many trailing prompt queries `compress` needs (None: all of them; 0: none).
+    # How many trailing prompt queries `select` needs (None: all of them; 0: none).
     query_window: ClassVar[int | None] = 0
+    # Whether `select` needs LayerStats.column_sums (the attention every position received).
+    needs_column_sums: ClassVar[bool] = False
 
     @property
     def compresses(self) -> bool:
@@ -44,11 +82,25 @@ class CompressionMethod:
     def validate(self, num_layers: int, max_positions: int) -> None:
         """Raise HarnessError for settings that cannot work with this model."""
 
+    def resolve(self, length: int) -> "CompressionMethod":
+        """The method as it runs on a compressed part of `length` tokens (a ratio becomes tokens)."""
+        return self
+
     def layer_budget(self, layer_idx: int, num_layers: int) -> int | None:
         return None
 
+    def select(self, keys: torch.Tensor, values: torch.Tensor, stats: LayerStats) -> Selection:
+        return Selection(keys, values)
+
     def compress(self, layer_idx: int, num_layers: int, queries, keys, values):
-        return keys, values
+        """`select` on one layer from its queries (the engine's path captures them instead); returns keys, values."""
+        stats = LayerStats(layer_idx, num_layers, queries=queries)
+        if self.needs_column_sums:
+            from harness.methods.h2o import accumulated_attention
+
+            stats.column_sums = accumulated_attention(queries, keys)
+        out = self.select(keys, values, stats)
+        return out.keys, out.values
 
     def describe(self, num_layers: int) -> dict:
         """Everything that defines this run of the method, for results and provenance."""
@@ -64,11 +116,16 @@ class CompressionMethod:
 
 @dataclass
 class ScoredMethod(CompressionMethod):
-    """A method that keeps the `budget - window_size` best-scored prompt positions plus the last window."""
+    """A method that keeps the `budget - window_size` best-scored prompt positions plus the last window.
 
-    budget: int | list[int] = 1024
+    The budget is in tokens (`budget`, the paper's convention) or a fraction of the compressed prompt
+    (`ratio`, kvpress's convention; resolved per item by `resolve`): exactly one of the two.
+    """
+
+    budget: int | list[int] | None = 1024
     window_size: int = 32
     gqa: str = "expand"
+    ratio: float | None = None
 
     @property
     def compresses(self) -> bool:
@@ -78,17 +135,50 @@ class ScoredMethod(CompressionMethod):
         """Scores (B, Hq, L - window) of the prompt positions before the window, per query head."""
         raise NotImplementedError
 
+    def score_key(self) -> tuple | None:
+        """Settings the scores depend on: methods with equal keys share one computation per layer (None: never)."""
+        return None
+
+    def scores(self, keys: torch.Tensor, stats: LayerStats) -> torch.Tensor:
+        """`prefix_scores` from the captured statistics, shared between methods with the same `score_key`."""
+        key = self.score_key()
+        if key is not None and key in stats.shared:
+            return stats.shared[key]
+        out = self.prefix_scores(stats.window_queries(self.query_window), keys, stats.layer_idx)
+        if key is not None:
+            stats.shared[key] = out
+        return out
+
     def budgets(self, num_layers: int) -> list[int]:
+        require(self.budget is not None, f"method {self.name}: give method.budget (tokens) or method.ratio (fraction of the prompt)")
         if isinstance(self.budget, (list, tuple)):
             return [int(b) for b in self.budget]
         return [int(self.budget)] * num_layers
 
+    def budgets_for_length(self, num_layers: int, length: int) -> list[int | None]:
+        """Per-layer budgets for a compressed part of `length` tokens; None: that layer stays whole
+        (the official rule: prompts shorter than the budget are not compressed)."""
+        return [b if length >= b else None for b in self.budgets(num_layers)]
+
     def layer_budget(self, layer_idx: int, num_layers: int) -> int:
         return self.budgets(num_layers)[layer_idx]
+
+    def resolve(self, length: int) -> "ScoredMethod":
+        if self.ratio is None:
+            return self
+        # kvpress's convention: the kept count is the floor of ratio x length (window included), and
+        # never less than the window plus one selected position.
+        return replace(self, budget=max(int(self.ratio * length), self.window_size + 1))
 
     def validate(self, num_layers: int, max_positions: int) -> None:
         require(self.gqa in GQA_MODES, f"method.gqa={self.gqa!r} is not one of {', '.join(GQA_MODES)}")
         require(self.window_size >= 0, f"method.window_size={self.window_size} must be >= 0")
+        require((self.budget is None) != (self.ratio is None),
+                f"method {self.name}: give exactly one of method.budget (tokens) and method.ratio (fraction of the prompt)"
+                f"; got budget={self.budget!r}, ratio={self.ratio!r}")
+        if self.ratio is not None:
+            require(0 < float(self.ratio) <= 1, f"method.ratio={self.ratio} must be in (0, 1]: the fraction of the prompt kept")
+            return
         budgets = self.budgets(num_layers)
         require(
             len(budgets) == num_layers,
@@ -101,42 +191,57 @@ class ScoredMethod(CompressionMethod):
 
     def describe(self, num_layers: int) -> dict:
         out = super().describe(num_layers)
-        out["layer_budgets"] = self.budgets(num_layers)
+        out["layer_budgets"] = self.budgets(num_layers) if self.budget is not None else None
         return out
 
-    def compress(self, layer_idx, num_layers, queries, keys, values):
-        budget = self.layer_budget(layer_idx, num_layers)
-        if keys.shape[-2] < budget:  # official rule: shorter prompts stay whole
-            return keys, values
-        scores = self.prefix_scores(queries, keys, layer_idx)
+    def select(self, keys, values, stats):
+        budget = self.budgets_for_length(stats.num_layers, keys.shape[-2])[stats.layer_idx]
+        if budget is None:  # official rule: shorter prompts stay whole
+            return Selection(keys, values)
+        scores = self.scores(keys, stats)
         return keep_top_scored(scores, keys, values, budget - self.window_size, self.window_size, self.gqa)
 
 
-def keep_top_scored(scores, keys, values, n_keep: int, window: int, gqa: str):
+def keep_top_scored(scores, keys, values, n_keep: int, window: int, gqa: str) -> Selection:
     """Keep the `n_keep` best prefix positions per head (by `scores`) followed by the last `window` positions.
 
     scores: (B, Hq, L - window). keys/values: (B, Hkv, L, d). With gqa=expand the result has Hq heads
     (each query head picks its own positions, as the official SnapKV does); with mean/max the query
-    heads' scores are aggregated per KV head and the result keeps Hkv heads.
+    heads' scores are aggregated per KV head and the result keeps Hkv heads. Kept entries are stored
+    in position order (so a layer's entries stay ordered as the prompt, whatever the scores); the
+    gather reads the unexpanded keys/values, so no groups-times copy of the layer is ever made.
     """
     b, hq, n_prefix = scores.shape
     hkv = keys.shape[1]
     groups = hq // hkv
-    if gqa == "expand":
-        keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
-    elif groups > 1:
+    if gqa not in GQA_MODES:
+        raise HarnessError(f"unknown gqa mode {gqa!r}")
+    if gqa != "expand" and groups > 1:
         grouped = scores.view(b, hkv, groups, n_prefix)
         scores = grouped.mean(dim=2) if gqa == "mean" else grouped.amax(dim=2)
-    elif gqa not in GQA_MODES:
-        raise HarnessError(f"unknown gqa mode {gqa!r}")
     length = keys.shape[-2]
     assert n_prefix == length - window, (n_prefix, length, window)
-    idx = scores.topk(n_keep, dim=-1).indices
-    return gather_with_window(keys, idx, window), gather_with_window(values, idx, window)
+    idx = scores.topk(n_keep, dim=-1).indices.sort(dim=-1).values  # (B, H, n_keep), H = Hq or Hkv
+    window_pos = torch.arange(length - window, length, device=idx.device).expand(b, idx.shape[1], window)
+    positions = torch.cat([idx, window_pos], dim=-1)
+    return Selection(gather_positions(keys, positions), gather_positions(values, positions), positions)
+
+
+def gather_positions(states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """states (B, Hkv, L, d) at positions (B, H, n) with H a multiple of Hkv -> (B, H, n, d).
+
+    Query head h reads KV head h // (H / Hkv): the positions of a KV head's query group are gathered
+    from that one KV head, so the expanded (B, H, L, d) tensor is never built."""
+    b, hkv, _, d = states.shape
+    heads, n = positions.shape[1], positions.shape[2]
+    groups = heads // hkv
+    flat = positions.reshape(b, hkv, groups * n)
+    out = states.gather(2, flat.unsqueeze(-1).expand(-1, -1, -1, d))
+    return out.view(b, heads, n, d)
 
 
 def gather_with_window(states: torch.Tensor, idx: torch.Tensor, window: int) -> torch.Tensor:
-    """[states at idx among the prefix ; the last `window` positions] along the sequence axis."""
+    """[states at idx among the prefix ; the last `window` positions] along the sequence axis (the official layout)."""
     length = states.shape[-2]
     picked = states[:, :, : length - window].gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, states.shape[-1]))
     if window == 0:

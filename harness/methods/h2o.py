@@ -42,28 +42,34 @@ from harness.methods.base import ScoredMethod
 from harness.methods.registry import register
 
 
-def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_size: int = 512) -> torch.Tensor:
-    """Column sums (B, Hq, L) of the causal softmax attention of all L queries, in float32.
+def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_size: int = 512, offset: int = 0,
+                          scaling: float | None = None) -> torch.Tensor:
+    """Column sums (B, Hq, K) of the causal softmax attention of the given queries, in float32.
 
-    queries: (B, Hq, L, d) after RoPE; keys: (B, Hkv, L, d) with Hq a multiple of Hkv. Rows are
-    processed `block_size` at a time against the keys they can see.
+    queries: (B, Hq, n, d) after RoPE, at prompt positions offset .. offset + n - 1 (a chunk of the
+    prompt; offset 0 and n = K for a one-shot prefill); keys: (B, Hkv, K, d), every key up to the
+    chunk's last position, Hq a multiple of Hkv. Rows are processed `block_size` at a time against
+    the keys they can see. Summing the results of consecutive chunks gives the one-shot result.
+    `scaling`: the softmax scale (default 1/sqrt(d)).
     """
-    b, hq, length, d = queries.shape
-    hkv = keys.shape[1]
+    b, hq, n_queries, d = queries.shape
+    hkv, length = keys.shape[1], keys.shape[2]
     require(hq % hkv == 0, f"query heads ({hq}) are not a multiple of key heads ({hkv})")
     require(block_size > 0, f"method.block_size={block_size} must be > 0")
+    require(offset + n_queries == length, f"queries at {offset}..{offset + n_queries} do not end at the last key ({length})")
     groups = hq // hkv
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     totals = torch.zeros(b, hkv, groups, length, dtype=torch.float32, device=queries.device)
-    for start in range(0, length, block_size):
-        end = min(start + block_size, length)
+    for start in range(0, n_queries, block_size):
+        end = min(start + block_size, n_queries)
         n = end - start
+        visible = offset + end  # keys this block's last row can see
         q = queries[:, :, start:end].reshape(b, hkv, groups * n, d)  # a query group's rows stacked
-        logits = torch.matmul(q, keys[:, :, :end].transpose(-1, -2)) * scale  # model dtype; keys not copied
-        logits = logits.view(b, hkv, groups, n, end)
+        logits = torch.matmul(q, keys[:, :, :visible].transpose(-1, -2)) * scale  # model dtype; keys not copied
+        logits = logits.view(b, hkv, groups, n, visible)
         future = torch.ones(n, n, dtype=torch.bool, device=queries.device).triu(1)  # only the diagonal block
-        logits[..., start:end].masked_fill_(future, torch.finfo(logits.dtype).min)
-        totals[..., :end] += F.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=-2)
+        logits[..., offset + start:visible].masked_fill_(future, torch.finfo(logits.dtype).min)
+        totals[..., :visible] += F.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=-2)
         del logits
     return totals.view(b, hq, length)
 
@@ -72,16 +78,21 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_si
 @dataclass
 class H2O(ScoredMethod):
     name = "h2o"
-    query_window = None  # every prompt query contributes to the accumulated score
+    query_window = 0  # every prompt query contributes, through LayerStats.column_sums (never stored)
 
-    budget: int | list[int] = 1024
+    budget: int | list[int] | None = 1024
     window_size: int = 8
     block_size: int = 512
     gqa: str = "expand"
+    ratio: float | None = None
+    needs_column_sums = True  # the engine accumulates them chunk by chunk during the prefill
 
     def validate(self, num_layers, max_positions):
         super().validate(num_layers, max_positions)
         require(self.block_size > 0, f"method.block_size={self.block_size} must be > 0")
+
+    def scores(self, keys, stats):
+        return stats.column_sums[..., : keys.shape[-2] - self.window_size]
 
     def prefix_scores(self, queries, keys, layer_idx):
         scores = accumulated_attention(queries, keys, block_size=self.block_size)

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from harness.errors import require
-from harness.methods.base import ScoredMethod, keep_top_scored
+from harness.methods.base import ScoredMethod, Selection, keep_top_scored
 from harness.methods.registry import register
-from harness.methods.snapkv import POOLINGS, snapkv_votes
+from harness.methods.snapkv import POOLINGS, SnapKV, snapkv_votes
 
 
 def pyramid_selected_counts(num_layers: int, selected: int, beta: int, length: int | None = None) -> list[int]:
@@ -76,12 +76,13 @@ class PyramidKV(ScoredMethod):
     name = "pyramidkv"
     query_window = None  # set per instance below: only the observation window is kept
 
-    budget: int = 1024
+    budget: int | None = 1024
     window_size: int = 8
     kernel_size: int = 7
     pooling: str = "maxpool"
     beta: int = 20
     gqa: str = "expand"
+    ratio: float | None = None
 
     def __post_init__(self):
         self.query_window = self.window_size
@@ -106,6 +107,8 @@ class PyramidKV(ScoredMethod):
         return [c + self.window_size for c in counts]
 
     def validate(self, num_layers, max_positions):
+        if self.ratio is not None:  # the schedule is checked once the ratio is resolved to tokens per item
+            return super().validate(num_layers, 0)
         require(isinstance(self.budget, int) and not isinstance(self.budget, bool),
                 f"method.budget={self.budget!r} must be one integer for pyramidkv (the schedule makes the per-layer budgets)")
         require(isinstance(self.beta, int) and self.beta >= 1, f"method.beta={self.beta!r} must be an integer >= 1")
@@ -123,12 +126,16 @@ class PyramidKV(ScoredMethod):
         # exceed max_positions (prompts that short never reach the pyramid), so that check is above.
         super().validate(num_layers, 0)
 
+    # Scoring is SnapKV's: the same key, so a run comparing both computes the votes once per layer.
+    score_key = SnapKV.score_key
+    scores = SnapKV.scores
+
     def prefix_scores(self, queries, keys, layer_idx):
         return snapkv_votes(queries, keys, window_size=self.window_size, kernel_size=self.kernel_size, pooling=self.pooling)
 
-    def compress(self, layer_idx, num_layers, queries, keys, values):
-        budgets = self.budgets_for_length(num_layers, keys.shape[-2])
+    def select(self, keys, values, stats):
+        budgets = self.budgets_for_length(stats.num_layers, keys.shape[-2])
         if budgets is None:
-            return keys, values
-        scores = self.prefix_scores(queries, keys, layer_idx)
-        return keep_top_scored(scores, keys, values, budgets[layer_idx] - self.window_size, self.window_size, self.gqa)
+            return Selection(keys, values)
+        scores = self.scores(keys, stats)
+        return keep_top_scored(scores, keys, values, budgets[stats.layer_idx] - self.window_size, self.window_size, self.gqa)

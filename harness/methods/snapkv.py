@@ -24,29 +24,38 @@ from harness.methods.registry import register
 POOLINGS = ("maxpool", "avgpool")
 
 
-def window_attention(query_states: torch.Tensor, key_states: torch.Tensor, window_size: int) -> torch.Tensor:
-    """Softmax attention of the last `window_size` queries over all keys: (B, H, W, L), in the query dtype.
+def window_attention(query_states: torch.Tensor, key_states: torch.Tensor, window_size: int,
+                     scaling: float | None = None) -> torch.Tensor:
+    """Softmax attention of the last `window_size` queries over all keys: (B, Hq, W, L), in the query dtype.
 
     Logits in the model dtype, a causal mask inside the window only, softmax in float32 then cast
-    back, exactly as the official code. Keys may have fewer heads than queries (GQA); they are
-    expanded here.
+    back, exactly as the official code. The official code divides by sqrt(head_dim); a module whose
+    own softmax scale differs (Gemma's query_pre_attn_scalar) passes `scaling`, which is then used
+    instead (None or 1/sqrt(d): the official division). Keys may have fewer heads than queries (GQA):
+    the query heads of a group are stacked against their one KV head, so keys are never expanded.
     """
-    groups = query_states.shape[1] // key_states.shape[1]
-    key_states = repeat_kv(key_states, groups)
-    head_dim = query_states.shape[-1]
-    window_q = query_states[..., -window_size:, :]
-    logits = torch.matmul(window_q, key_states.transpose(2, 3)) / math.sqrt(head_dim)
+    b, hq, _, head_dim = query_states.shape
+    hkv = key_states.shape[1]
+    groups = hq // hkv
+    window_q = query_states[..., -window_size:, :].reshape(b, hkv, groups * window_size, head_dim)
+    logits = torch.matmul(window_q, key_states.transpose(2, 3))
+    if scaling is None or math.isclose(scaling, 1 / math.sqrt(head_dim), rel_tol=1e-6):
+        logits = logits / math.sqrt(head_dim)
+    else:
+        logits = logits * scaling
+    logits = logits.view(b, hq, window_size, key_states.shape[-2])
     rows = torch.arange(window_size, device=logits.device)
     future = rows[None, :] > rows[:, None]  # key j after query i, inside the window
     logits[..., -window_size:] = logits[..., -window_size:].masked_fill(future, torch.finfo(logits.dtype).min)
     return F.softmax(logits, dim=-1, dtype=torch.float32).to(query_states.dtype)
 
 
-def snapkv_votes(query_states, key_states, *, window_size: int, kernel_size: int, pooling: str) -> torch.Tensor:
-    """Pooled window votes (B, H, L - W) for the prompt positions before the window."""
+def snapkv_votes(query_states, key_states, *, window_size: int, kernel_size: int, pooling: str,
+                 scaling: float | None = None) -> torch.Tensor:
+    """Pooled window votes (B, Hq, L - W) for the prompt positions before the window."""
     require(pooling in POOLINGS, f"method.pooling={pooling!r} is not one of {', '.join(POOLINGS)}")
     require(kernel_size % 2 == 1, f"method.kernel_size={kernel_size} must be odd (even sizes shift the pooled scores)")
-    attn = window_attention(query_states, key_states, window_size)
+    attn = window_attention(query_states, key_states, window_size, scaling)
     votes = attn[..., :-window_size].sum(dim=-2)
     pool = F.max_pool1d if pooling == "maxpool" else F.avg_pool1d  # avg: zero padding counted, as official
     return pool(votes, kernel_size=kernel_size, padding=kernel_size // 2, stride=1)
@@ -76,11 +85,12 @@ class SnapKV(ScoredMethod):
     name = "snapkv"
     query_window = None  # set per instance below: only the observation window is kept
 
-    budget: int | list[int] = 1024
+    budget: int | list[int] | None = 1024
     window_size: int = 32
     kernel_size: int = 7
     pooling: str = "maxpool"
     gqa: str = "expand"
+    ratio: float | None = None
 
     def __post_init__(self):
         self.query_window = self.window_size
@@ -90,6 +100,16 @@ class SnapKV(ScoredMethod):
         require(self.window_size > 0, "method.window_size must be > 0 for snapkv (the observation window votes)")
         require(self.kernel_size % 2 == 1 and self.kernel_size > 0, f"method.kernel_size={self.kernel_size} must be a positive odd number")
         require(self.pooling in POOLINGS, f"method.pooling={self.pooling!r} is not one of {', '.join(POOLINGS)}")
+
+    def score_key(self):
+        return ("snapkv_votes", self.window_size, self.kernel_size, self.pooling)
+
+    def scores(self, keys, stats):
+        key = self.score_key()
+        if key not in stats.shared:
+            stats.shared[key] = snapkv_votes(stats.window_queries(self.window_size), keys, window_size=self.window_size,
+                                             kernel_size=self.kernel_size, pooling=self.pooling, scaling=stats.scaling)
+        return stats.shared[key]
 
     def prefix_scores(self, queries, keys, layer_idx):
         return snapkv_votes(queries, keys, window_size=self.window_size, kernel_size=self.kernel_size, pooling=self.pooling)

@@ -139,14 +139,20 @@ def test_per_layer_budgets_are_honoured():
 def test_hooks_are_removed_even_on_error():
     model = tiny_model("llama", "eager")
     modules = attention_modules(model)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    sdpa_before = ALL_ATTENTION_FUNCTIONS["sdpa"]
     with pytest.raises(ValueError):
         with compression(model, snapkv(64)):
-            assert model.config._attn_implementation.startswith("kvharness+")
+            # the implementation keeps its own name (mask builders and kernel loaders read it)
+            assert model.config._attn_implementation == "eager"
+            assert getattr(ALL_ATTENTION_FUNCTIONS["eager"], "_kvharness_observer", False)
             assert all(len(m._forward_hooks) == 1 for m in modules)
             raise ValueError("boom")
     assert model.config._attn_implementation == "eager"
+    assert "eager" not in ALL_ATTENTION_FUNCTIONS._global_mapping and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_before
     assert all(len(m._forward_hooks) == 0 for m in modules)
-    assert not any("_kvharness_state" in m.__dict__ for m in modules)
+    assert not any("_kvharness_session" in m.__dict__ for m in modules)
 
 
 @pytest.mark.parametrize("gqa", ["expand", "mean"])

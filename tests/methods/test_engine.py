@@ -1,0 +1,316 @@
+"""The engine against an independent reference, shared prefills, chunked prefill, hybrid layers,
+FlashAttention's name, and cache lifetimes.
+
+The reference decodes with the model's FULL cache and a plain attention function written here: for
+every query after the compressed part it hides, per head, the prompt positions the method dropped
+(the kept positions are what the engine reports; the selection rules themselves are tested against
+the official rules elsewhere). Positions are the cache's own (nothing is compressed), so a wrong
+position, mask, cache layout or expanded-head bookkeeping in the engine shows up as a difference.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import weakref
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from conftest import BACKENDS, tiny_model
+from harness.decoding import greedy_generate
+from harness.errors import HarnessError
+from harness.methods import build_method, compression
+from harness.models import LoadedModel
+from harness.tasks.common import Prompt, generate_settings
+
+PROMPT, QUESTION_AT, NEW = 160, 140, 10
+
+
+def methods(gqa: str, per_layer: bool = False) -> dict:
+    snap_budget = [40, 72] if per_layer else 48
+    return {
+        "full": build_method({"name": "full"}),
+        "snapkv": build_method({"name": "snapkv", "budget": snap_budget, "window_size": 8, "kernel_size": 5, "pooling": "maxpool", "gqa": gqa}),
+        "snapkv_b64": build_method({"name": "snapkv", "budget": 64, "window_size": 8, "kernel_size": 5, "pooling": "maxpool", "gqa": gqa}),
+        "h2o": build_method({"name": "h2o", "budget": 48, "window_size": 8, "block_size": 33, "gqa": gqa}),
+        "pyramidkv": build_method({"name": "pyramidkv", "budget": 48, "window_size": 8, "kernel_size": 5, "pooling": "maxpool", "beta": 4, "gqa": gqa}),
+        "streamingllm": build_method({"name": "streamingllm", "budget": 48, "sink_tokens": 4, "window_size": 0, "gqa": gqa}),
+        "ratio": build_method({"name": "snapkv", "budget": None, "ratio": 0.3, "window_size": 8, "kernel_size": 5, "pooling": "maxpool", "gqa": gqa}),
+    }
+
+
+def loaded_of(model) -> LoadedModel:
+    return LoadedModel(model=model, tokenizer=None, name="tiny", chat_format="none", eos_token_ids=[], max_positions=4096,
+                       prompt_max_length=None, device=torch.device("cpu"))
+
+
+def prompt_ids(batch: int = 1, length: int = PROMPT, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 1000, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ the reference
+
+
+class Reference:
+    """A plain attention function over the full cache that hides dropped prompt positions per head."""
+
+    name = "kvharness_test_reference"
+
+    def __init__(self, model, keep: dict, end: int):
+        self.model, self.keep, self.end = model, keep, end  # keep: layer -> (B, Hq, end) bool, or absent
+        layer_types = getattr(model.config, "layer_types", None) or []
+        self.window = {i: model.config.sliding_window for i, t in enumerate(layer_types) if t == "sliding_attention"}
+
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        q_len, k_len = query.shape[2], key.shape[2]
+        logits = query @ key.transpose(2, 3) * (scaling if scaling is not None else module.scaling)
+        q_pos = torch.arange(k_len - q_len, k_len)
+        k_pos = torch.arange(k_len)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if module.layer_idx in self.window:
+            allowed &= k_pos[None, :] > q_pos[:, None] - self.window[module.layer_idx]
+        allowed = allowed[None, None].expand(query.shape[0], query.shape[1], q_len, k_len).clone()
+        keep = self.keep.get(module.layer_idx)
+        after = q_pos >= self.end
+        if keep is not None and after.any():
+            allowed[:, :, after, : self.end] &= keep[:, :, None, :]
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        weights = torch.softmax(logits.float(), dim=-1).to(query.dtype)
+        return (weights @ value).transpose(1, 2).contiguous(), weights
+
+    def logits(self, ids: torch.Tensor, tokens: list[list[int]]) -> torch.Tensor:
+        """Teacher-forced logits of every decode step (prompt + generated tokens), full cache, one forward."""
+        ALL_ATTENTION_FUNCTIONS.register(self.name, self.attention)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(self.name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        original = self.model.config._attn_implementation
+        self.model.config._attn_implementation = self.name
+        try:
+            full = torch.cat([ids, torch.tensor(tokens)[:, :-1]], dim=1)
+            with torch.inference_mode():
+                out = self.model(input_ids=full, cache=DynamicCache(), use_cache=True)
+            return out.logits[:, ids.shape[1] - 1:]
+        finally:
+            self.model.config._attn_implementation = original
+
+
+def keep_masks(kept: dict, heads: int, end: int) -> dict:
+    """layer -> (B, Hq, end) bool: which prompt positions each query head still sees."""
+    masks = {}
+    for idx, pos in kept.items():
+        if pos is None:
+            continue
+        pos = pos.repeat_interleave(heads // pos.shape[1], dim=1)
+        masks[idx] = torch.zeros(pos.shape[0], heads, end, dtype=torch.bool).scatter_(2, pos, True)
+    return masks
+
+
+def engine_logits(model, run):
+    """Run `run()` with the lm_head's outputs captured: the logits of every forward the engine made."""
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, a, o: seen.append(o[:, -1:].detach().clone()))
+    try:
+        result = run()
+    finally:
+        handle.remove()
+    return result, torch.cat(seen, dim=1)
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("attn", BACKENDS)
+@pytest.mark.parametrize("gqa", ["expand", "mean"])
+@pytest.mark.parametrize("query_aware", [True, False])
+def test_every_method_decodes_like_the_masked_full_cache(attn, gqa, query_aware, one_thread):
+    model = tiny_model("llama", attn, heads=4, kv_heads=2)
+    loaded = loaded_of(model)
+    ids = prompt_ids()
+    prompt = Prompt(ids[0].tolist(), QUESTION_AT)
+    end = prompt.compressed_end(query_aware)
+    cases = [(tag, m) for tag, m in methods(gqa).items() if m.compresses] + [("per_layer", methods(gqa, per_layer=True)["snapkv"])]
+    for tag, method in cases:
+        out, seen = engine_logits(model, lambda: generate_settings(loaded, [(tag, method)], prompt, query_aware=query_aware,
+                                                                    max_new_tokens=NEW)[tag])
+        assert out.error is None and len(out.generation.tokens[0]) == NEW
+        keep = keep_masks(out.kept, model.config.num_attention_heads, end)
+        assert len(keep) == 2, f"{tag} must have compressed both layers ({end} prompt tokens)"
+        ref = Reference(model, keep, end).logits(ids, out.generation.tokens)
+        # the last NEW forwards produced the NEW tokens (prefill or question prefill, then the decode steps)
+        torch.testing.assert_close(seen[:, -NEW:], ref, atol=2e-4, rtol=1e-4, msg=f"{tag} {gqa} {attn} query_aware={query_aware}")
+        assert [int(x) for x in ref[0].argmax(-1)] == out.generation.tokens[0]
+
+
+@pytest.mark.parametrize("gqa", ["expand", "mean"])
+def test_batch_of_two_decodes_like_the_masked_full_cache(gqa, one_thread):
+    model = tiny_model("qwen2", "sdpa", heads=4, kv_heads=2)
+    ids = prompt_ids(batch=2, seed=4)
+    for tag, method in methods(gqa).items():
+        if not method.compresses or tag == "ratio":
+            continue
+        (gen, session), seen = engine_logits(model, lambda: _run_in_place(model, method, ids))
+        keep = keep_masks({i: r.positions for i, r in session.states[method.name].layers.items()},
+                          model.config.num_attention_heads, PROMPT)
+        assert keep
+        ref = Reference(model, keep, PROMPT).logits(ids, gen.tokens)
+        torch.testing.assert_close(seen, ref, atol=2e-4, rtol=1e-4, msg=tag)
+
+
+def _run_in_place(model, method, ids):
+    with compression(model, method) as session:
+        gen = greedy_generate(model, ids, max_new_tokens=NEW, ignore_eos=True)
+    return gen, session
+
+
+@pytest.mark.parametrize("query_aware", [True, False])
+@pytest.mark.parametrize("gqa", ["expand", "mean"])
+def test_one_prefill_for_all_methods_equals_separate_runs(query_aware, gqa, one_thread):
+    """Tokens and kept positions of a shared prefill equal each method's own run, for every method,
+    and equal again with a chunked prefill."""
+    model = tiny_model("mistral", "sdpa", heads=4, kv_heads=2)
+    loaded = loaded_of(model)
+    prompt = Prompt(prompt_ids(seed=2)[0].tolist(), QUESTION_AT, {"question": (QUESTION_AT, PROMPT)})
+    all_methods = methods(gqa)
+    shared = generate_settings(loaded, list(all_methods.items()), prompt, query_aware=query_aware, max_new_tokens=NEW)
+    for tag, method in all_methods.items():
+        for chunk in (None, 37):
+            alone = generate_settings(loaded, [(tag, method)], prompt, query_aware=query_aware, max_new_tokens=NEW, chunk_size=chunk)[tag]
+            assert alone.generation.tokens == shared[tag].generation.tokens, (tag, chunk)
+            assert alone.diagnostics.get("kv_positions_after_prefill") == shared[tag].diagnostics.get("kv_positions_after_prefill")
+            assert alone.diagnostics.get("question_kept") == shared[tag].diagnostics.get("question_kept")
+        if not query_aware:
+            assert shared[tag].diagnostics["question_kept"] == 1.0  # prefilled after compression, by construction
+    assert shared["ratio"].diagnostics["budget_tokens"] == int(0.3 * prompt.compressed_end(query_aware))
+
+
+def test_chunked_prefill_keeps_the_same_positions():
+    model = tiny_model("llama", "eager", heads=4, kv_heads=2)
+    ids = prompt_ids(seed=5)[0].tolist()
+    for tag, method in methods("expand").items():
+        if not method.compresses:
+            continue
+        kept = [generate_settings(loaded_of(model), [(tag, method)], Prompt(ids), max_new_tokens=2, chunk_size=chunk)[tag].kept
+                for chunk in (None, 16, 50)]
+        assert kept[0] and all(kept[0][i] is not None for i in kept[0]), tag
+        for other in kept[1:]:
+            assert all(torch.equal(kept[0][i], other[i]) for i in kept[0]), tag
+
+
+def tiny_gemma3(layers: int = 6, window: int = 16):
+    config = AutoConfig.for_model("gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=1000,
+                                  max_position_embeddings=4096, sliding_window=window, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention" if (i + 1) % 3 else "full_attention" for i in range(layers)])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+
+
+def test_hybrid_sliding_layers_stay_whole_and_generation_crosses_the_window(one_thread):
+    model = tiny_gemma3()
+    loaded = loaded_of(model)
+    ids = prompt_ids(length=96, seed=7)
+    prompt = Prompt(ids[0].tolist(), 80, {"question": (80, 96)})
+    sliding = [i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
+    full = generate_settings(loaded, [("full", methods("expand")["full"])], prompt, max_new_tokens=24)["full"]
+    assert full.generation.tokens == greedy_generate(model, ids, max_new_tokens=24).tokens  # 24 > window 16
+    for query_aware in (True, False):
+        for tag in ("snapkv", "h2o", "streamingllm"):
+            out = generate_settings(loaded, [(tag, methods("mean")[tag]), ("full", methods("mean")["full"])], prompt,
+                                    query_aware=query_aware, max_new_tokens=24)[tag]
+            assert out.diagnostics["compressed_layers"] == [i for i in range(6) if i not in sliding]
+            assert all(out.diagnostics["question_kept_by_layer"][i] is None for i in sliding)
+            assert all(out.kept[i] is None for i in sliding)
+            end = prompt.compressed_end(query_aware)
+            # the module's own softmax scale (query_pre_attn_scalar 24, not head_dim 16) is the one the reference uses
+            ref = Reference(model, keep_masks(out.kept, 4, end), end).logits(ids, out.generation.tokens)
+            assert [int(x) for x in ref[0].argmax(-1)] == out.generation.tokens[0], (tag, query_aware)
+
+
+def test_soft_capped_attention_is_refused():
+    config = AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, vocab_size=1000, attn_logit_softcapping=50.0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with pytest.raises(HarnessError, match="soft-caps its attention logits"):
+        with compression(model, methods("mean")["snapkv"]):
+            pass
+
+
+def test_flash_attention_keeps_its_name_for_the_kernel_loader(one_thread):
+    """transformers hands config._attn_implementation to its flash-kernel loader: the engine must not
+    rename it. A stand-in registered as flash_attention_2 (sdpa underneath) records what it sees."""
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    seen = []
+
+    def stand_in(module, query, key, value, attention_mask, **kwargs):
+        seen.append(module.config._attn_implementation)
+        return sdpa(module, query, key, value, None if query.shape[2] == 1 else attention_mask, **kwargs)
+
+    saved = ALL_ATTENTION_FUNCTIONS._global_mapping.get("flash_attention_2")
+    saved_mask = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get("flash_attention_2")
+    ALL_ATTENTION_FUNCTIONS.register("flash_attention_2", stand_in)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("flash_attention_2", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    try:
+        model = tiny_model("llama", "sdpa")
+        ids = prompt_ids()
+        reference = greedy_generate(model, ids, max_new_tokens=6)
+        model.config._attn_implementation = "flash_attention_2"
+        with compression(model, methods("expand")["snapkv_b64"]) as session:
+            assert model.config._attn_implementation == "flash_attention_2"
+            out = greedy_generate(model, ids, max_new_tokens=6)
+        assert session.after == {0: (4, 64), 1: (4, 64)}
+        assert seen and set(seen) == {"flash_attention_2"}
+        assert ALL_ATTENTION_FUNCTIONS["flash_attention_2"] is stand_in  # restored after the block
+        assert len(out.tokens[0]) == 6 and reference.tokens
+    finally:
+        if saved is None:
+            ALL_ATTENTION_FUNCTIONS._global_mapping.pop("flash_attention_2", None)
+        else:
+            ALL_ATTENTION_FUNCTIONS._global_mapping["flash_attention_2"] = saved
+        if saved_mask is not None:
+            ALL_MASK_ATTENTION_FUNCTIONS._global_mapping["flash_attention_2"] = saved_mask
+
+
+@pytest.mark.parametrize("gqa", ["expand", "mean"])
+def test_an_items_caches_are_freed_without_a_collector_pass(gqa):
+    """No reference cycle keeps a compressed cache alive after its item (gqa=expand once made one)."""
+    from harness.methods import engine
+
+    model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
+    loaded = loaded_of(model)
+    alive = []
+    original = engine.Session.cache_for
+
+    def spy(self, t, shared):
+        cache = original(self, t, shared)
+        alive.extend(weakref.ref(layer.keys) for layer in cache.layers)
+        alive.append(weakref.ref(cache))
+        return cache
+
+    gc.collect()
+    gc.disable()
+    engine.Session.cache_for = spy
+    try:
+        for seed in range(3):
+            for pairs in ([("s", methods(gqa)["snapkv"])], [("s", methods(gqa)["snapkv"]), ("h", methods(gqa)["h2o"])]):
+                out = generate_settings(loaded, pairs, Prompt(prompt_ids(seed=seed)[0].tolist()), max_new_tokens=4)
+                del out
+        assert alive and all(ref() is None for ref in alive), f"{sum(r() is not None for r in alive)} cache objects still alive"
+    finally:
+        engine.Session.cache_for = original
+        gc.enable()
+
+
+def test_attention_probe_sees_every_call():
+    from harness.methods.engine import attention_probe
+
+    model = tiny_model("llama", "eager")
+    calls = []
+    with attention_probe(model, lambda m, q, k: calls.append((m.layer_idx, q.shape[2], k.shape[2]))):
+        greedy_generate(model, prompt_ids(length=20), max_new_tokens=3)
+    assert calls == [(0, 20, 20), (1, 20, 20), (0, 1, 21), (1, 1, 21), (0, 1, 22), (1, 1, 22)]
+    assert math.isclose(model.model.layers[0].self_attn.scaling, 16 ** -0.5)
