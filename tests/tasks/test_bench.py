@@ -189,7 +189,7 @@ def test_validate_rejects_bad_task_configs():
     with pytest.raises(HarnessError, match="unique"):
         validate(compose("task=bench", _methods_override([FULL, FULL])).task)
     with pytest.raises(HarnessError, match="no option"):
-        validate(compose("task=bench", _methods_override([{**FULL, "budget": 3}])).task)
+        validate(compose("task=bench", _methods_override([{**FULL, "kernel_size": 3}])).task)  # full ignores budget, not this
     with pytest.raises(HarnessError, match="memory_cap_gb"):
         validate(compose("task=bench", "task.max_length_search=true").task)
 
@@ -223,3 +223,139 @@ def test_worker_process_peak_and_memory_cap(tmp_path):
         assert again["result"]["kv_bytes"] == res["kv_bytes"]
     finally:
         runner.close()
+
+
+# ------------------------------------------------------------------------------------------ timing and devices
+
+class _FakeCuda:
+    """Stands in for torch.cuda on a CPU-only machine: per-device memory counters, events, and a log of
+    every host synchronisation."""
+
+    def __init__(self, allocated: dict[int, int], peaks: dict[int, int], total: int = 80 * 1024**3):
+        self.allocated, self.peaks, self.total = allocated, peaks, total
+        self.syncs: list = []
+        self.resets: list = []
+        self.fractions: dict = {}
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                self.t = None
+
+            def record(self, stream=None):
+                import time
+
+                self.t = time.perf_counter()
+                self.stream = stream
+
+            def synchronize(self):
+                fake.syncs.append(("event", self.stream))
+
+            def elapsed_time(self, end):
+                return 1000.0 * (end.t - self.t)  # milliseconds, as CUDA events report
+
+        self.Event = Event
+
+    def install(self, monkeypatch):
+        idx = lambda d: torch.device(d).index  # noqa: E731
+        monkeypatch.setattr(torch.cuda, "Event", self.Event)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream", str(device)))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.syncs.append(("device", str(device))))
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: self.resets.append(idx(d)))
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: self.allocated[idx(d)])
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: self.peaks[idx(d)])
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": self.total})())
+        monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: self.fractions.__setitem__(idx(d), f))
+        return self
+
+
+def test_compress_timer_never_synchronises_inside_the_prefill(monkeypatch):
+    """CUDA: two events per selection, recorded on the keys' device's stream; the host waits only in finish()."""
+    from harness.tasks.bench_worker import CompressTimer
+
+    fake = _FakeCuda({}, {}).install(monkeypatch)
+
+    class Method:
+        def select(self, keys, values, stats):
+            return keys, values
+
+    method = Method()
+    timer = CompressTimer(method, torch.device("cuda", 0))
+    k = torch.zeros(1, 2, 8, 4)
+    for _ in range(3):
+        assert method.select(k, k, None)[0] is k
+    assert fake.syncs == [] and timer.calls == 3 and timer.seconds == 0.0  # nothing read back yet
+    total = timer.finish()
+    assert timer.source == "cuda_events" and total >= 0 and total == timer.seconds
+    assert [kind for kind, _ in fake.syncs] == ["event"] * 3  # only the events, after the measurement
+
+
+def test_compress_timing_on_cpu(tiny_random, one_thread):
+    from harness.tasks.bench_worker import measure
+
+    r = measure(tiny_random.model, _opts(MEAN), 256, batch_size=1, decode_tokens=2, seed=0)
+    assert r["compress_timing"] == "perf_counter" and r["compress_calls"] == 2 and 0 < r["compress_s"] < r["prefill_s"]
+    assert measure(tiny_random.model, _opts(FULL), 64, batch_size=1, decode_tokens=2, seed=0)["compress_timing"] is None
+
+
+def test_devices_peaks_and_caps_cover_every_gpu_of_a_device_map(monkeypatch):
+    from harness.tasks.bench_worker import PeakMeter, arm_memory_cap, disarm_memory_cap, model_devices
+
+    class Sharded(torch.nn.Module):  # what device_map=auto leaves: hf_device_map (parameters here are on CPU)
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(2, 2)
+            self.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cuda:1", "lm_head": 1,
+                                  "model.norm": "cpu"}
+
+    devices = model_devices(Sharded())
+    assert devices == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    assert model_devices(torch.nn.Linear(2, 2)) == [torch.device("cpu")]
+
+    fake = _FakeCuda(allocated={0: 100, 1: 50}, peaks={0: 400, 1: 250}).install(monkeypatch)
+    with PeakMeter(devices) as meter:
+        pass
+    rec = meter.record()
+    assert sorted(fake.resets) == [0, 1] and {d for kind, d in fake.syncs} == {"cuda:0", "cuda:1"}
+    assert rec["mem_before_bytes"] == 150 and rec["peak_bytes"] == 650 and rec["peak_increase_bytes"] == 500
+    assert rec["peak_bytes_per_device"] == {"cuda:0": 400, "cuda:1": 250} and "2 devices" in rec["peak_source"]
+
+    cap = arm_memory_cap(20 * 1024**3, devices)
+    assert fake.fractions == {0: 0.25, 1: 0.25} and cap["kind"] == "cuda_memory_fraction"
+    disarm_memory_cap(devices)
+    assert fake.fractions == {0: 1.0, 1: 1.0}
+
+
+def test_decode_is_reported_per_step_and_per_token():
+    """Batch 2: one decode step yields two tokens; the table says ms/step and ms/token (= ms/step / 2)."""
+    from harness.tasks.bench import aggregate, markdown, summarize
+
+    def row(label, name, step_ms):
+        return {"label": label, "length": 1024, "repeat": 0, "method": {"name": name}, "batch_size": 2, "prefill_s": 1.0,
+                "compress_s": 0.0, "decode_median_ms": step_ms, "step_ms": [step_ms] * 4, "kv_bytes": 10, "kv_bytes_analytic": 10,
+                "cache_heads": [2], "kept_tokens": [1024], "peak_increase_bytes": 1, "peak_bytes": 2, "peak_source": "x"}
+
+    rows = [row("full", "full", 30.0), row("snap", "snapkv", 20.0)]
+    table = aggregate(rows, ["full", "snap"], [1024])
+    snap = table[1]
+    assert snap["decode_median_ms"] == 20.0 and snap["decode_ms_per_token"] == 10.0
+    assert snap["decode_tokens_per_s"] == pytest.approx(100.0)  # 2 tokens per 20 ms step
+    cfg = compose("task=bench", "model=tiny-random", "task.batch_size=2")
+    text = markdown(table, summarize(table, ["full", "snap"], [1024], "none", rows, None), None, cfg, "none")
+    assert "decode ms/step median" in text and "| ms/token |" in text and "ms/tok median" not in text
+    assert "| snap | 1024 | 1.00 | 0.000 (0.0%) | +0.0% | 20.0 | 20.0 | 10.0 | 100.0 |" in text
+
+
+def test_kv_bytes_of_hybrid_sliding_layers(one_thread):
+    """Gemma 3's hybrid cache: sliding-window layers keep W - 1 positions and are never compressed."""
+    from tiny_models import tiny_model
+
+    from harness.tasks.bench_worker import measure
+
+    model = tiny_model("gemma3")  # 6 layers: 5 sliding (window 16) + 1 full
+    for method, heads, kept in ((FULL, [2], [15, 256]), (MEAN, [2], [15, 64]), (EXPAND, [2, 4], [15, 64])):
+        r = measure(model, _opts(method), 256, batch_size=1, decode_tokens=3, seed=0)
+        assert r["kv_bytes"] == r["kv_bytes_analytic"], method["label"]
+        assert r["kept_tokens"] == r["kept_tokens_analytic"] == kept and r["cache_heads"] == heads
+    short = measure(model, _opts(FULL), 8, batch_size=1, decode_tokens=12, seed=0)  # 8 + 12 > 15: the window fills while decoding
+    assert short["kept_tokens"] == [8] and short["kv_bytes"] == short["kv_bytes_analytic"]
