@@ -1,51 +1,117 @@
-"""Needle in a haystack: insertion rule, exact lengths, one tokenization, outputs, resume, real retrieval."""
+"""Needle in a haystack: insertion rule on real text, exact lengths, the question split, prompt styles, one
+tokenization, outputs, resume, real retrieval. Placement on the paper's vocabularies: test_vocabularies.py."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 
 import pytest
 
-from conftest import compose
+from conftest import REPO, compose
 from harness.app import execute
 from harness.errors import HarnessError
-from harness.tasks import needle
-
-PERIOD = 9
+from harness.tasks import needle, needle_prompt
 
 
-def test_insertion_walks_back_to_the_previous_period():
-    ctx = [1, 2, PERIOD, 3, 4, 5, PERIOD, 6, 7, 8]
-    needle_ids = [100, 101]
-    # depth 50 -> point 5; previous period token is at index 2 -> insert at 3
-    out, at = needle.insert_needle(ctx, needle_ids, 50, {PERIOD})
-    assert at == 3 and out == [1, 2, PERIOD, 100, 101, 3, 4, 5, PERIOD, 6, 7, 8]
-    assert needle.insert_needle(ctx, needle_ids, 0, {PERIOD}) == ([100, 101] + ctx, 0)
-    assert needle.insert_needle(ctx, needle_ids, 100, {PERIOD}) == (ctx + [100, 101], len(ctx))
-    # no period before the point -> position 0
-    assert needle.insert_needle([1, 2, 3, 4], needle_ids, 75, {PERIOD})[1] == 0
-    # a period right before the point: insert at the point itself
-    assert needle.insert_needle([1, PERIOD, 2, 3], needle_ids, 50, {PERIOD})[1] == 2
+
+@pytest.fixture(scope="module")
+def smol():
+    """SmolLM2's tokenizer (the tiny-random model's) and the real haystack in its tokens."""
+    from harness.models import embedded_tokenizer
+
+    tok = embedded_tokenizer()
+    text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in needle.haystack_files(compose().task))[:60000]
+    return tok, tok(text, add_special_tokens=False)["input_ids"]
 
 
-def test_cells_have_exactly_the_requested_length(tiny_random):
+def test_insertion_walks_back_to_the_previous_period(smol):
+    tok, _ = smol
+    ctx = tok("Alpha beta. Gamma delta epsilon. Zeta theta.", add_special_tokens=False)["input_ids"]
+    assert tok.convert_ids_to_tokens(ctx) == ["Alpha", "Ġbeta", ".", "ĠGamma", "Ġdelta", "Ġepsilon", ".", "ĠZ", "eta", "Ġtheta", "."]
+    periods = needle_prompt.PeriodRule(tok)
+    nd = [900, 901]
+    # depth 50: point int(11 * 0.5) = 5; tokens 4, 3 are words, token 2 is "." -> the needle goes in at 3
+    out, at = needle.insert_needle(ctx, nd, 50, periods)
+    assert at == 3 and out == ctx[:3] + nd + ctx[3:]
+    assert needle.insert_needle(ctx, nd, 0, periods) == (nd + ctx, 0)
+    assert needle.insert_needle(ctx, nd, 100, periods) == (ctx + nd, len(ctx))  # 100 appends, no walk-back
+    assert needle.insert_needle(ctx, nd, 90, periods)[1] == 7  # point 9: back over "eta", "ĠZ" to just after token 6
+    assert needle.insert_needle(ctx, nd, 64, periods)[1] == 7  # point 7: token 6 is a period, stay at the point
+    words = tok("Alpha beta gamma delta", add_special_tokens=False)["input_ids"]
+    assert needle.insert_needle(words, nd, 75, periods)[1] == 0  # no period before the point
+
+
+@pytest.mark.parametrize("text,is_period", [
+    (".", True), (" .", True), ("\u2581.", True), (".\n\n", True), (").", True), ("%.", True), ('").', True), ("...", True),
+    ("Mr.", False), ("3.", False), ("etc.", False), ('."', False), (",", False), ("a", False), ("", False), ("</s>", False),
+])
+def test_period_rule_on_decoded_token_text(text, is_period):
+    assert needle_prompt.is_period_text(text) is is_period
+
+
+def test_cells_have_exactly_the_requested_length(tiny_random, smol):
+    _, haystack = smol
     task = compose("model=tiny-random").task
+    tok = tiny_random.tokenizer
     parts = needle.prompt_parts(task, tiny_random)
-    haystack = list(range(10, 5000)) * 2
+    needle_ids = tok(task.needle, add_special_tokens=False)["input_ids"]
     for length in (300, 1000, 4096):
         for depth in (0, 33, 100):
-            ids, at = needle.build_cell(haystack, parts, length, depth)
-            assert len(ids) == length
-            assert ids[at : at + len(parts.needle)] == parts.needle
+            cell = needle.build_cell(haystack, parts, length, depth)
+            assert isinstance(cell, needle.NeedleCell) and len(cell.ids) == length
+            assert cell.ids[cell.needle_start : cell.needle_end] == needle_ids
+            context = length - len(parts.prefix) - len(parts.suffix) - len(needle_ids)
+            assert cell.depth_actual == pytest.approx(100 * (cell.needle_start - len(parts.prefix)) / context, abs=1e-3)
+            assert {0: 0.0, 100: 100.0}.get(depth, cell.depth_actual) == cell.depth_actual
+            assert cell.needle_end <= cell.question_start == length - len(parts.suffix)
     with pytest.raises(HarnessError, match="cannot hold the prompt template"):
         needle.build_cell(haystack, parts, 20, 50)
 
 
-def test_storybook_prompt(tiny_random):
-    task = compose("model=tiny-random", "task.prompt_style=storybook").task
-    parts = needle.prompt_parts(task, tiny_random)
-    text = tiny_random.tokenizer.decode(parts.prefix + [0] + parts.suffix)
-    assert "This is a very long story book: <book>" in text and "Question: What is the best thing to do in San Francisco?\nAnswer:" in text
+def test_a_haystack_without_periods_fails_the_cell_in_one_line(tiny_random, smol):
+    tok, _ = smol
+    text = "".join(p.read_text(encoding="utf-8") for p in needle.haystack_files(compose().task))[:30000].replace(".", ";")
+    haystack = tok(text, add_special_tokens=False)["input_ids"]
+    parts = needle.prompt_parts(compose("model=tiny-random").task, tiny_random)
+    with pytest.raises(HarnessError) as err:
+        needle.build_cell(haystack, parts, 3000, 50)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("needle cell length=3000 depth=50: the needle starts at 0.0% of the")
+    assert "task.depth_tolerance" in message
+    # Short contexts snap to a sentence: a walk-back of under 256 tokens is accepted at any depth.
+    assert needle.build_cell(haystack, parts, 300, 50).depth_actual < 45
+
+
+QUESTION = "What is the best thing to do in San Francisco?"
+
+
+@pytest.mark.parametrize("style", ["chat", "storybook", "completion"])
+def test_question_start_splits_context_from_question(tiny_random, smol, style):
+    tok, haystack = smol
+    task = compose("model=tiny-random", f"task.prompt_style={style}").task
+    cell = needle.build_cell(haystack, needle.prompt_parts(task, tiny_random), 1000, 50)
+    after, before = tok.decode(cell.ids[cell.question_start :]), tok.decode(cell.ids[: cell.question_start])
+    assert QUESTION in after and QUESTION not in before
+    assert "Dolores Park" in before and "Dolores Park" not in after  # the needle is in the context
+
+
+def test_storybook_and_completion_prompts(tiny_random, smol):
+    tok, haystack = smol
+    for style, head, tail in [
+        ("storybook", "<|im_start|> This is a very long story book: <book> ",
+         " </book>.\n Based on the content of the book, Question: What is the best thing to do in San Francisco?\nAnswer:"),
+        ("completion", "You are a helpful AI bot that answers questions for a user. Keep your response short and direct\n\nDocument:\n",
+         "\n\nQuestion: What is the best thing to do in San Francisco?\nAnswer:"),
+    ]:
+        task = compose("model=tiny-random", f"task.prompt_style={style}").task
+        cell = needle.build_cell(haystack, needle.prompt_parts(task, tiny_random), 500, 100)
+        text = tok.decode(cell.ids)
+        assert text.startswith(head) and text.endswith(task.needle + tail), style
+        assert tok.decode(cell.ids[cell.question_start :]) == tail
+    custom = compose("model=tiny-random", "task.prompt_style=completion", "task.system_prompt=Read this.").task
+    assert tok.decode(needle.prompt_parts(custom, tiny_random).prefix) == "Read this.\n\nDocument:\n"
 
 
 def test_run_outputs_resume_and_single_tokenization(tmp_path, monkeypatch):
@@ -73,15 +139,19 @@ def test_run_outputs_resume_and_single_tokenization(tmp_path, monkeypatch):
     assert results["summary"]["cells"] == 4 and len(results["rows"]) == 4
     assert {(r["length"], r["depth"]) for r in results["rows"]} == {(200, 0.0), (200, 100.0), (400, 0.0), (400, 100.0)}
     assert all(r["prompt_tokens"] == r["length"] for r in results["rows"])
+    assert [r["needle_depth_actual"] for r in results["rows"]] == [{0.0: 0.0, 100.0: 100.0}[r["depth"]] for r in results["rows"]]
+    out = tmp_path / str(cfg.method.tag)  # the run directory's setting folder
     for name in ("results.json", "config.yaml", "needle_cells.jsonl", "needle_cells.csv", "needle_heatmap.png"):
-        assert (tmp_path / name).exists(), name
-    saved = json.loads((tmp_path / "results.json").read_text())
-    assert saved["provenance"]["git"]["commit"] is not None or saved["provenance"]["git"]["commit"] is None
+        assert (out / name).exists(), name
+    saved = json.loads((out / "results.json").read_text())
+    commit = saved["provenance"]["git"]["commit"]  # a commit of this repository's history (HEAD may move meanwhile)
+    assert re.fullmatch(r"[0-9a-f]{40}", commit)
+    assert subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO).returncode == 0
     assert {"torch", "transformers", "python", "seed", "device"} <= set(saved["provenance"])
-    before = (tmp_path / "needle_cells.jsonl").read_text()
+    before = (out / "needle_cells.jsonl").read_text()
     # Rerun: every cell is skipped, nothing is appended.
     again = execute(cfg, tmp_path)
-    assert (tmp_path / "needle_cells.jsonl").read_text() == before
+    assert (out / "needle_cells.jsonl").read_text() == before
     assert [r["response"] for r in again["rows"]] == [r["response"] for r in results["rows"]]
 
 
@@ -91,7 +161,7 @@ def test_run_outputs_resume_and_single_tokenization(tmp_path, monkeypatch):
         ("task.depths=[-5]", "outside \\[0, 100\\]"),
         ("task.depths=[101]", "outside \\[0, 100\\]"),
         ("task.lengths=[]", "task.lengths is empty"),
-        ("task.prompt_style=poem", "not one of chat, storybook"),
+        ("task.prompt_style=poem", "not one of chat, storybook, completion"),
     ],
 )
 def test_bad_task_settings(override, message):
