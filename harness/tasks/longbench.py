@@ -27,8 +27,11 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
 from harness.rundir import write_json, write_text
-from harness.tasks.common import generate, run_items
+from harness.tasks.common import Prompt, Setting, generate_settings, run_shared_items
+from harness.tasks.needle import protocol_name, warn_evicted_questions
 from harness.tasks.longbench_data import (
+    NO_QUESTION_TASKS,
+    NOTHING_AFTER_CONTEXT,
     RAW_TASKS,
     build_prompt,
     check_options,
@@ -38,6 +41,7 @@ from harness.tasks.longbench_data import (
     load_rows,
     max_new_tokens,
     newline_token_id,
+    question_start,
     render,
     selected_datasets,
     variant_suffix,
@@ -118,23 +122,33 @@ def failures_file(run_path: Path, index: int, count: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = True) -> dict:
+def run(cfg: DictConfig, loaded: LoadedModel, settings, run_dir=None, progress: bool = True) -> dict:
+    """Every selected item for every setting (harness.tasks.common.Setting), one prefill per item.
+
+    Returns {tag: {"summary", "rows", "failures"}}."""
+    single = not isinstance(settings, list)  # the one-method call: run(cfg, loaded, method, run_dir)
+    if single:
+        settings = [Setting(str(cfg.method.tag), settings, cfg, run_dir)]
     task = cfg.task
     plan = make_plan(task)
     budget = loaded.prompt_max_length
     require(isinstance(budget, int) and budget > 1,
             f"model.prompt_max_length={budget!r}: LongBench needs the model's prompt budget in tokens (model2maxlen, e.g. 31500)")
+    query_aware = bool(task.get("query_aware", True))
+    chunk_size = cfg.model.get("prefill_chunk_size")
     k, n = plan.shard_index, plan.shard_count
-    (run_dir.path / PRED_DIR).mkdir(parents=True, exist_ok=True)
-    if not bool(cfg.get("resume", True)):  # a fresh start clears every shard's predictions
-        for f in (run_dir.path / PRED_DIR).glob("*.jsonl"):
-            f.unlink()
+    for s in settings:
+        (s.run_dir.path / PRED_DIR).mkdir(parents=True, exist_ok=True)
+        if not bool(s.cfg.get("resume", True)):  # a fresh start clears every shard's predictions
+            for f in (s.run_dir.path / PRED_DIR).glob("*.jsonl"):
+                f.unlink()
 
     tok = loaded.tokenizer
     templates = load_dataset2prompt()
     guard_all = bool(task.get("min_new_tokens", False))
     newline = newline_token_id(tok)
-    failures: list[dict] = []
+    by_tag = {s.tag: s for s in settings}
+    failures: dict[str, list[dict]] = {s.tag: [] for s in settings}
     for name in plan.names:
         rows = plan.rows[name]
         new_tokens = max_new_tokens(name)
@@ -142,7 +156,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = 
         min_new = 1 if (name == "samsum" or guard_all) else 0
         warned = []
 
-        def work(i, name=name, rows=rows, new_tokens=new_tokens, stop_ids=stop_ids, min_new=min_new, warned=warned):
+        def work(i, tags, name=name, rows=rows, new_tokens=new_tokens, stop_ids=stop_ids, min_new=min_new, warned=warned):
             row = rows[i]
             prompt = build_prompt(name, row, tok, budget, templates)
             text, ids = render(name, prompt.text, loaded)
@@ -150,45 +164,70 @@ def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = 
                 warned.append(True)
                 log.warning("%s: a prompt of %d tokens + %d new tokens exceeds %s's %d positions (model.prompt_max_length=%d)",
                             name, len(ids), new_tokens, loaded.name, loaded.max_positions, budget)
-            gen, kept = generate(loaded, method, ids, max_new_tokens=new_tokens, stop_token_ids=stop_ids, min_new_tokens=min_new)
-            tokens = gen.tokens[0]
-            record = {
-                "index": i,
-                "_id": row["_id"],
-                "pred": tok.decode(tokens, skip_special_tokens=True),  # not stripped, as pred.py
-                "answers": row["answers"],
-                "all_classes": row["all_classes"],
-                "length": row["length"],
-                "prompt_tokens": len(ids),
-                "raw_prompt_tokens": prompt.raw_tokens,
-                "truncated": prompt.truncated,
-                "chat_formatted": not is_raw(name),
-                "new_tokens": len(tokens),
-                "stopped_by": gen.stopped_by[0],
-                "prefill_seconds": round(gen.prefill_seconds, 4),
-                "decode_seconds": round(gen.decode_seconds, 4),
-                **kept,
-            }
-            if task.get("log_prompts"):
-                record["prompt"] = text
-            return record
+            split = question_start(name, row, ids, tok, templates)
+            item = Prompt(ids, split, {"question": (split, len(ids))} if split < len(ids) else {})
+            outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], item, query_aware=query_aware,
+                                         chunk_size=chunk_size, max_new_tokens=new_tokens, stop_token_ids=stop_ids,
+                                         min_new_tokens=min_new)
+            out = {}
+            for tag, o in outcomes.items():
+                if o.error is not None:
+                    out[tag] = o.error
+                    continue
+                tokens = o.generation.tokens[0]
+                record = {
+                    "index": i,
+                    "_id": row["_id"],
+                    "pred": tok.decode(tokens, skip_special_tokens=True),  # not stripped, as pred.py
+                    "answers": row["answers"],
+                    "all_classes": row["all_classes"],
+                    "length": row["length"],
+                    "prompt_tokens": len(ids),
+                    "raw_prompt_tokens": prompt.raw_tokens,
+                    "truncated": prompt.truncated,
+                    "chat_formatted": not is_raw(name),
+                    "question_start": split,
+                    "protocol": protocol_name(query_aware),
+                    "new_tokens": len(tokens),
+                    "stopped_by": o.generation.stopped_by[0],
+                    "prefill_seconds": round(o.generation.prefill_seconds, 4),
+                    "decode_seconds": round(o.generation.decode_seconds, 4),
+                    **o.diagnostics,
+                }
+                if task.get("log_prompts"):
+                    record["prompt"] = text
+                out[tag] = record
+            return out
 
-        pred_log = run_dir.log(str(pred_file(run_dir.path, name, k, n).relative_to(run_dir.path)), key="index")
+        logs = {s.tag: s.run_dir.log(str(pred_file(s.run_dir.path, name, k, n).relative_to(s.run_dir.path)), key="index")
+                for s in settings}
         desc = f"{name}" + (f" [shard {k}/{n}]" if n > 1 else "")
-        outcome = run_items(shard_items(len(rows), k, n), log_file=pred_log, key=lambda i: (i,), work=work, desc=desc,
-                            failures_path=None, progress=progress)
-        failures += [{"task": name, **f} for f in outcome.failures]
-        write_json(failures_file(run_dir.path, k, n), failures)  # this shard's failures so far, all tasks
+        outcome = run_shared_items(shard_items(len(rows), k, n), logs=logs, key=lambda i: (i,), work=work, desc=desc,
+                                   failures_paths=None, progress=progress)
+        for s in settings:
+            failures[s.tag] += [{"task": name, **f} for f in outcome[s.tag].failures]
+            write_json(failures_file(s.run_dir.path, k, n), failures[s.tag])  # this shard's failures so far, all tasks
 
-    merged, missing = collect(run_dir.path, plan)
     rules = describe_rules(plan, loaded, budget, guard_all, newline)
-    if missing:
-        summary = incomplete_summary(plan, missing, rules, failures)
-        log.warning("%s", summary["message"])
-        return {"summary": summary, "rows": [], "failures": failures}
-    summary, rows = score(plan, merged, task, rules)
-    write_text(run_dir.path / TABLE_FILE, markdown_table(summary, loaded.name, str(cfg.method.tag)))
-    return {"summary": summary, "rows": rows, "failures": failures}
+    rules["protocol"] = protocol_name(query_aware)
+    # Query-agnostic: what is prefilled after compression is the template's text after {context}; these
+    # tasks have none (everything is compressed), these others only a fixed instruction (no question).
+    rules["nothing_after_context"] = sorted(set(plan.names) & set(NOTHING_AFTER_CONTEXT))
+    rules["instruction_only_after_context"] = sorted(set(plan.names) & set(NO_QUESTION_TASKS))
+    results = {}
+    for s in settings:
+        merged, missing = collect(s.run_dir.path, plan)
+        if missing:
+            summary = incomplete_summary(plan, missing, rules, failures[s.tag])
+            log.warning("%s: %s", s.tag, summary["message"])
+            results[s.tag] = {"summary": summary, "rows": [], "failures": failures[s.tag]}
+            continue
+        summary, rows = score(plan, merged, task, rules)
+        summary["protocol"] = protocol_name(query_aware)
+        warn_evicted_questions([r for recs in merged.values() for r in recs], s.tag)
+        write_text(s.run_dir.path / TABLE_FILE, markdown_table(summary, loaded.name, s.tag))
+        results[s.tag] = {"summary": summary, "rows": rows, "failures": failures[s.tag]}
+    return results[settings[0].tag] if single else results
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,12 +18,11 @@ from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel, find_package_file
-from harness.tasks.common import generate, run_items
+from harness.tasks.needle_prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
+from harness.tasks.common import Prompt, Setting, generate_settings, run_shared_items
 from metrics.needle import score_needle_response
 
 log = logging.getLogger(__name__)
-PROMPT_STYLES = ("chat", "storybook")
-SENTINEL = "\x00HAYSTACK\x00"
 
 
 def validate(task: DictConfig) -> None:
@@ -45,64 +44,18 @@ def haystack_files(task: DictConfig) -> list[Path]:
     return files
 
 
-@dataclass
-class PromptParts:
-    prefix: list[int]
-    suffix: list[int]
-    needle: list[int]
-    period_ids: set[int]
+def run(cfg: DictConfig, loaded: LoadedModel, settings, run_dir=None, progress: bool = True) -> dict:
+    """Every cell of the grid for every setting (harness.tasks.common.Setting), one prefill per cell.
 
-
-def prompt_parts(task: DictConfig, loaded: LoadedModel) -> PromptParts:
-    """Token ids around the context for the chosen prompt style."""
-    tok = loaded.tokenizer
-    question = task.question + task.question_suffix
-    if task.prompt_style == "chat":
-        messages = [
-            {"role": "system", "content": task.system_prompt},
-            {"role": "user", "content": SENTINEL},
-            {"role": "user", "content": question},
-        ]
-        try:
-            text = loaded.format_chat(messages)
-        except Exception:  # templates that insist on alternating roles: one user turn
-            text = loaded.format_chat([messages[0], {"role": "user", "content": f"{SENTINEL}\n\n{question}"}])
-        before, after = text.split(SENTINEL)
-        prefix = loaded.encode(before)
-    else:  # the KV-compression papers' "story book" prompt, no chat template
-        before, after = task.storybook_template.split("{context}")
-        after = after.replace("{question}", task.question)
-        prefix = tok(before)["input_ids"]
-    return PromptParts(
-        prefix=prefix,
-        suffix=tok(after, add_special_tokens=False)["input_ids"],
-        needle=tok(task.needle, add_special_tokens=False)["input_ids"],
-        period_ids=set(tok(".", add_special_tokens=False)["input_ids"]),
-    )
-
-
-def insert_needle(context: list[int], needle: list[int], depth: float, period_ids: set[int]) -> tuple[list[int], int]:
-    """The original rule: at `depth`% of the context, walking back to just after a period token."""
-    if depth >= 100:
-        return context + needle, len(context)
-    point = int(len(context) * depth / 100)
-    while point > 0 and context[point - 1] not in period_ids:
-        point -= 1
-    return context[:point] + needle + context[point:], point
-
-
-def build_cell(haystack: list[int], parts: PromptParts, length: int, depth: float) -> tuple[list[int], int]:
-    n_context = length - len(parts.prefix) - len(parts.suffix) - len(parts.needle)
-    if n_context <= 0:
-        raise HarnessError(f"task.lengths: {length} tokens cannot hold the prompt template and needle ({length - n_context} tokens)")
-    context, at = insert_needle(haystack[:n_context], parts.needle, depth, parts.period_ids)
-    return parts.prefix + context + parts.suffix, len(parts.prefix) + at
-
-
-def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = True) -> dict:
+    Returns {tag: {"summary", "rows", "failures"}}."""
+    single = not isinstance(settings, list)  # the one-method call: run(cfg, loaded, method, run_dir)
+    if single:
+        settings = [Setting(str(cfg.method.tag), settings, cfg, run_dir)]
     task = cfg.task
     lengths = [int(n) for n in task.lengths]
     depths = [float(d) for d in task.depths]
+    query_aware = bool(task.get("query_aware", True))
+    chunk_size = cfg.model.get("prefill_chunk_size")
     longest = max(lengths) + int(task.max_new_tokens)
     if loaded.max_positions:
         require(longest <= loaded.max_positions,
@@ -113,42 +66,79 @@ def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = 
     haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
     passes = math.ceil(max(lengths) / len(haystack))
     haystack = haystack * passes  # repeated as the original does, as tokens: no re-tokenization per cell
-    log.info("needle: haystack %d tokens x %d, grid %d lengths x %d depths", len(haystack) // passes, passes, len(lengths), len(depths))
+    log.info("needle: haystack %d tokens x %d, grid %d lengths x %d depths, %d setting(s), %s",
+             len(haystack) // passes, passes, len(lengths), len(depths), len(settings), protocol_name(query_aware))
+    by_tag = {s.tag: s for s in settings}
+    logs = {s.tag: s.run_dir.log("needle_cells.jsonl", key=("length", "depth")) for s in settings}
+    stop_strings = list(getattr(loaded, "stop_strings", None) or [])
 
-    cells_log = run_dir.log("needle_cells.jsonl", key=("length", "depth"))
-
-    def work(cell):
+    def work(cell, tags):
         length, depth = cell
-        ids, needle_at = build_cell(haystack, parts, length, depth)
-        gen, kept = generate(loaded, method, ids, max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens))
-        response = loaded.tokenizer.decode(gen.tokens[0], skip_special_tokens=True).strip()
-        return {
-            "length": length,
-            "depth": depth,
-            "prompt_tokens": len(ids),
-            "needle_token_index": needle_at,
-            "response": response,
-            **score_needle_response(response, task.answer),
-            "new_tokens": len(gen.tokens[0]),
-            "stopped_by": gen.stopped_by[0],
-            "prefill_seconds": round(gen.prefill_seconds, 4),
-            "decode_seconds": round(gen.decode_seconds, 4),
-            **kept,
-        }
+        built = build_cell(haystack, parts, length, depth)
+        prompt = Prompt(built.ids, built.question_start,
+                        {"question": (built.question_start, len(built.ids)), "needle": (built.needle_start, built.needle_end)})
+        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], prompt, query_aware=query_aware,
+                                     chunk_size=chunk_size, max_new_tokens=int(task.max_new_tokens),
+                                     min_new_tokens=int(task.min_new_tokens), stop_strings=stop_strings)
+        out = {}
+        for tag, o in outcomes.items():
+            if o.error is not None:
+                out[tag] = o.error
+                continue
+            gen = o.generation
+            response = loaded.tokenizer.decode(gen.tokens[0], skip_special_tokens=True).strip()
+            out[tag] = {
+                "length": length,
+                "depth": depth,
+                "prompt_tokens": len(built.ids),
+                "needle_token_index": built.needle_start,
+                "needle_depth_actual": built.depth_actual,
+                "question_start": built.question_start,
+                "protocol": protocol_name(query_aware),
+                "response": response,
+                **score_needle_response(response, task.answer),
+                "new_tokens": len(gen.tokens[0]),
+                "stopped_by": gen.stopped_by[0],
+                "prefill_seconds": round(gen.prefill_seconds, 4),
+                "decode_seconds": round(gen.decode_seconds, 4),
+                **o.diagnostics,
+            }
+        return out
 
     cells = [(n, d) for n in lengths for d in depths]
-    outcome = run_items(cells, log_file=cells_log, key=lambda c: c, work=work, desc="needle cells",
-                        failures_path=run_dir.path / "failures.json", progress=progress)
-    rows = [cells_log.records[c] for c in cells if c in cells_log.records]
-    write_csv(run_dir.path / "needle_cells.csv", rows)
-    summary = summarize(rows, lengths, depths)
-    summary["failed_cells"] = len(outcome.failures)
-    summary["memory_cap"] = cap
+    outcome = run_shared_items(cells, logs=logs, key=lambda c: c, work=work, desc="needle cells",
+                               failures_paths={s.tag: s.run_dir.path / "failures.json" for s in settings}, progress=progress)
     from harness.plots import needle_heatmap
 
-    title = f"{loaded.name} · {cfg.method.tag}"
-    needle_heatmap(rows, run_dir.path / "needle_heatmap.png", title=title, score_key="score")
-    return {"summary": summary, "rows": rows, "failures": outcome.failures}
+    results = {}
+    for s in settings:
+        rows = [logs[s.tag].records[c] for c in cells if c in logs[s.tag].records]
+        write_csv(s.run_dir.path / "needle_cells.csv", rows)
+        summary = summarize(rows, lengths, depths)
+        summary["failed_cells"] = len(outcome[s.tag].failures)
+        summary["memory_cap"] = cap
+        summary["protocol"] = protocol_name(query_aware)
+        summary["prefill_chunk_size"] = chunk_size
+        warn_evicted_questions(rows, s.tag)
+        title = f"{loaded.name} · {s.tag} · {protocol_name(query_aware)}"
+        needle_heatmap(rows, s.run_dir.path / "needle_heatmap.png", title=title, score_key="score")
+        if rows and s.method.compresses and all(r.get("needle_kept") is not None for r in rows):
+            needle_heatmap(rows, s.run_dir.path / "needle_retention.png", title=f"{title}\nneedle tokens kept in the cache",
+                           score_key="needle_kept")
+        results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
+    return results[settings[0].tag] if single else results
+
+
+def protocol_name(query_aware: bool) -> str:
+    return "query_aware" if query_aware else "query_agnostic"
+
+
+def warn_evicted_questions(rows: list[dict], tag: str) -> None:
+    """One warning line when compression evicted part of the question somewhere (query-aware runs)."""
+    hit = [r for r in rows if r.get("question_kept") is not None and r["question_kept"] < 1]
+    if hit:
+        log.warning("%s: the question was partly evicted from the cache in %d of %d items (question_kept < 1; "
+                    "see question_kept_by_layer in the item records)", tag, len(hit), len(rows))
 
 
 def apply_memory_cap(cap_gb, device) -> str | None:
@@ -180,12 +170,15 @@ def summarize(rows: list[dict], lengths: list[int], depths: list[float]) -> dict
         "cells": len(rows),
         "by_length": {str(n): mean(r["score"] for r in rows if r["length"] == n) for n in lengths},
         "by_depth": {str(d): mean(r["score"] for r in rows if r["depth"] == d) for d in depths},
+        "mean_needle_kept": mean(r["needle_kept"] for r in rows if r.get("needle_kept") is not None),
+        "mean_question_kept": mean(r["question_kept"] for r in rows if r.get("question_kept") is not None),
     }
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    fields = ["length", "depth", "prompt_tokens", "needle_token_index", "score", "keyword_recall", "strict", "rouge1_f",
-              "new_tokens", "stopped_by", "prefill_seconds", "decode_seconds", "response"]
+    fields = ["length", "depth", "prompt_tokens", "needle_token_index", "needle_depth_actual", "protocol", "score",
+              "keyword_recall", "strict", "rouge1_f", "needle_kept", "question_kept", "budget_tokens", "new_tokens",
+              "stopped_by", "prefill_seconds", "decode_seconds", "response"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

@@ -33,20 +33,27 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def capped(monkeypatch):
     """Record every generate call the task makes, and cap its new tokens at CAP."""
-    real = longbench.generate
+    real = longbench.generate_settings
     calls: list[dict] = []
 
-    def wrapper(loaded, method, ids, **kwargs):
-        calls.append({"prompt_tokens": len(ids), **kwargs})
-        return real(loaded, method, ids, **{**kwargs, "max_new_tokens": min(kwargs["max_new_tokens"], CAP)})
+    def wrapper(loaded, methods, prompt, **kwargs):
+        calls.append({"prompt_tokens": len(prompt.ids), "question_start": prompt.question_start, **kwargs})
+        return real(loaded, methods, prompt, **{**kwargs, "max_new_tokens": min(kwargs["max_new_tokens"], CAP)})
 
-    monkeypatch.setattr(longbench, "generate", wrapper)
+    monkeypatch.setattr(longbench, "generate_settings", wrapper)
     return calls
 
 
 def run(tmp: Path, *overrides: str, model: str = "tiny-random", task: str = "longbench") -> dict:
+    """Run into the run directory `tmp`; the setting's own directory is `out(tmp)` (`<tmp>/<method tag>`)."""
     cfg = compose(f"task={task}", f"model={model}", f"task.data_dir={FIXTURES}", "progress=false", *overrides)
     return execute(cfg, tmp)
+
+
+def out(run_dir: Path) -> Path:
+    """The one setting directory below a run directory."""
+    (found,) = [p for p in Path(run_dir).iterdir() if p.is_dir() and (p / "config.yaml").exists()]
+    return found
 
 
 def datasets(names) -> str:
@@ -54,7 +61,7 @@ def datasets(names) -> str:
 
 
 def preds(run_dir: Path, name: str, shard: str = "") -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "pred" / f"{name}{shard}.jsonl").read_text(encoding="utf-8").splitlines()]
+    return [json.loads(line) for line in (out(run_dir) / "pred" / f"{name}{shard}.jsonl").read_text(encoding="utf-8").splitlines()]
 
 
 def test_all_fixture_tasks_tiny_random_snapkv(tmp_path, capped):
@@ -93,9 +100,9 @@ def test_all_fixture_tasks_tiny_random_snapkv(tmp_path, capped):
             assert chat == (name not in rules["raw_tasks"]) == r["chat_formatted"]
         assert scorer(name, [r["pred"] for r in recs], [r["answers"] for r in recs], recs[-1]["all_classes"]) == s["scores"][name]
 
-    on_disk = json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))
+    on_disk = json.loads((out(tmp_path) / "results.json").read_text(encoding="utf-8"))
     assert on_disk["summary"]["scores"] == s["scores"] and on_disk["task"] == "longbench"
-    table = (tmp_path / "longbench_table.md").read_text(encoding="utf-8")
+    table = (out(tmp_path) / "longbench_table.md").read_text(encoding="utf-8")
     header = next(line for line in table.splitlines() if line.startswith("| Method |"))
     assert header.startswith("| Method | NrtvQA | Qasper | MF-en | HotpotQA | 2WikiMQA | Musique | GovReport | QMSum | MultiNews | TREC")
     assert header.endswith("| Lcc | RB-P | MF-zh | LSHT | Avg. |")
@@ -119,8 +126,8 @@ def test_longbench_e_bucket_scores(tmp_path, capped):
         assert list(buckets) == list(LONGBENCH_E_BUCKETS) and all(isinstance(v, float) for v in buckets.values())
     assert set(s["bucket_average"]) == set(LONGBENCH_E_BUCKETS)
     assert [r["bucket_items"] for r in res["rows"]] == [{"0-4k": 1, "4-8k": 1, "8k+": 1}] * 3
-    assert (tmp_path / "pred" / "qasper.jsonl").exists()
-    table = (tmp_path / "longbench_table.md").read_text(encoding="utf-8")
+    assert (out(tmp_path) / "pred" / "qasper.jsonl").exists()
+    table = (out(tmp_path) / "longbench_table.md").read_text(encoding="utf-8")
     assert "| Task | 0-4k | 4-8k | 8k+ | All |" in table
 
 
@@ -140,9 +147,9 @@ def test_resume_after_interruption_redoes_only_missing_items(tmp_path, capped):
     before = {n: preds(tmp_path, n) for n in ("qasper", "samsum", "lcc")}
     assert len(capped) == 9
     # a crash: qasper lost its last two items, lcc was killed mid-line, samsum is complete
-    q = tmp_path / "pred" / "qasper.jsonl"
+    q = out(tmp_path) / "pred" / "qasper.jsonl"
     q.write_text(q.read_text(encoding="utf-8").splitlines(keepends=True)[0], encoding="utf-8")
-    with open(tmp_path / "pred" / "lcc.jsonl", "a", encoding="utf-8") as f:
+    with open(out(tmp_path) / "pred" / "lcc.jsonl", "a", encoding="utf-8") as f:
         f.write('{"index": 7, "_id": "torn", "pr')
     capped.clear()
     second = run(tmp_path, *args)
@@ -163,7 +170,7 @@ def test_sharded_runs_score_exactly_as_one_run(tmp_path, capped):
     assert partial["status"] == "incomplete" and "scores" not in partial
     assert partial["message"].startswith("shard 0/2 done; not scored yet: shard(s) 1 of 2 unfinished")
     assert "qasper shard 1/2: 1 item(s) missing (1)" in partial["missing"]
-    assert not (two / "longbench_table.md").exists()
+    assert not (out(two) / "longbench_table.md").exists()
     assert [r["index"] for r in preds(two, "qasper", ".shard0of2")] == [0, 2]
     last = run(two, datasets(names), "task.shard.index=1", "task.shard.count=2")["summary"]
     assert last["status"] == "complete" and last["shards_merged"] == 2
@@ -176,7 +183,7 @@ def test_sharded_runs_score_exactly_as_one_run(tmp_path, capped):
     for name in names:
         merged = sorted((r for k in range(3) for r in preds(three, name, f".shard{k}of3")), key=lambda r: r["index"])
         assert [r["pred"] for r in merged] == [r["pred"] for r in preds(tmp_path / "one", name)]
-    assert json.loads((three / "results.json").read_text(encoding="utf-8"))["summary"]["scores"] == whole["scores"]
+    assert json.loads((out(three) / "results.json").read_text(encoding="utf-8"))["summary"]["scores"] == whole["scores"]
 
 
 def test_merge_scores_in_item_order_with_real_scores(tmp_path):
@@ -212,21 +219,21 @@ def test_merge_scores_in_item_order_with_real_scores(tmp_path):
 
 
 def test_failed_item_is_recorded_not_scored_and_retried(tmp_path, capped, monkeypatch):
-    capping = longbench.generate
+    capping = longbench.generate_settings
 
-    def flaky(loaded, method, ids, **kwargs):
+    def flaky(loaded, methods, prompt, **kwargs):
         if len(capped) == 1:  # the second item
             capped.append({})
             raise RuntimeError("CUDA out of memory (simulated)\ndetails")
-        return capping(loaded, method, ids, **kwargs)
+        return capping(loaded, methods, prompt, **kwargs)
 
-    monkeypatch.setattr(longbench, "generate", flaky)
+    monkeypatch.setattr(longbench, "generate_settings", flaky)
     first = run(tmp_path, datasets(["trec"]), "task.limit=2")
     assert first["status"] == "items_failed" and first["failures"] == 1
     assert first["summary"]["status"] == "incomplete" and first["summary"]["message"].startswith("1 item(s) failed")
-    failed = json.loads((tmp_path / "failures.json").read_text(encoding="utf-8"))
+    failed = json.loads((out(tmp_path) / "failures.json").read_text(encoding="utf-8"))
     assert [(f["task"], f["key"]) for f in failed] == [("trec", [1])]
-    monkeypatch.setattr(longbench, "generate", capping)
+    monkeypatch.setattr(longbench, "generate_settings", capping)
     capped.clear()
     second = run(tmp_path, datasets(["trec"]), "task.limit=2")
     assert len(capped) == 1 and second["summary"]["status"] == "complete" and second["failures"] == 0

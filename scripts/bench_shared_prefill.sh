@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Shared-prefill benchmark (issue 13): five needle methods as separate runs vs one `methods=[...]` run,
+# interleaved in one invocation; prints the wall-time ratio and the per-method identity check.
+# Extra arguments go to scripts/bench_shared_prefill.py (e.g. --repeats 2, model=..., task.query_aware=false).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec .venv/bin/python scripts/bench_shared_prefill.py "$@"
