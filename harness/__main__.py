@@ -1,4 +1,5 @@
-"""`python -m harness <hydra overrides>`: see conf/config.yaml, the README and docs/scaling.md."""
+"""`python -m harness <hydra overrides>`: see conf/config.yaml, the README and docs/scaling.md. The OmegaConf resolvers of the
+configs (`kv.*`: method tags, the sweep job directory) are registered by importing harness.app."""
 
 import sys
 

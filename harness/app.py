@@ -1,11 +1,22 @@
-"""The run recipe, top to bottom: validate, load, prepare the run directory, run the task, write results.
+"""The run recipe, top to bottom: validate, load, prepare the run directories, run the task, write results.
+
+A run has a run directory (`hydra.run.dir`, default `outputs/<task>/<model>`; under `-m` the job's
+sweep directory) and one or more method settings: `method=<name>` (one), or `methods=[...]` (several,
+the model loaded once; each entry a conf/method name or a mapping `{name: <config>, <option>: <value>}`).
+Each setting is written to `<run dir>/<its tag>`, exactly as a separate `method=<entry>` run writes it
+(its config is composed the same way, `compose_settings`), so the two ways of running share run
+directories and resume each other. `methods.json` and `comparison.md` in the run directory index the
+settings found there. Tasks that compare methods themselves (`task=bench`: `task.methods`) write into
+the run directory itself.
 
 Everything that can be checked without the model is checked first (task options and data, method
-options against the model's config, the run directory: writable, no conflicting earlier run), so a
-bad input fails in seconds. User errors (HarnessError) become one line `error: ...` on stderr and exit
-status 2, and leave no result file behind (a run directory this run created is removed again).
-A run whose items partly failed writes everything it has, records the failures in failures.json and
-results.json, and exits with status 3.
+options against the model's config, every setting's directory: writable, no conflicting earlier run,
+no records of other code), so a bad input fails in seconds. Then every setting's directory is locked
+(`RunDir.lock`: two processes never write one run directory at once; the second waits, then resumes).
+User errors (HarnessError) become one line `error: ...` on stderr and exit status 2, and leave no
+result file behind (a run directory this run created is removed again). A run whose items partly
+failed writes everything it has, records the failures in failures.json and results.json, and exits
+with status 3.
 
 Under `--multirun` (any launcher) a job never ends its process: its user error or failed items are
 raised as a `JobFailed`, which Hydra reports as `Error executing job with overrides: [...]` followed
@@ -14,24 +25,31 @@ by the `error: ...` line, after every job of the sweep has run; the sweep then e
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 import random
+import re
 import sys
 import time
 from pathlib import Path
 
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from harness.errors import HarnessError
-from harness.rundir import RunDir, check_writable
+from harness import CONF_DIR
+from harness.errors import HarnessError, require
+from harness.methods.registry import register_resolvers
+from harness.rundir import RunDir, RunLock, check_writable, remove_if_empty, resume_mode, write_json, write_text
 from harness.tasks import get_task
 
 log = logging.getLogger("harness")
 EXIT_USER_ERROR = 2
 EXIT_ITEM_FAILURES = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
+INDEX_FILE = "methods.json"
+COMPARISON_FILE = "comparison.md"
 
 
 class JobFailed(CompactHydraException):
@@ -53,66 +71,348 @@ def run_dir_path() -> Path:
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-def execute(cfg: DictConfig, run_path: Path) -> dict:
-    """Run one configured experiment into `run_path`; returns the results dict (also written to disk).
+# --------------------------------------------------------------------------------------------------
+# Overrides: which keys the command line gave, the sweep's job directory name
+# --------------------------------------------------------------------------------------------------
+
+
+def _parse_overrides(overrides) -> list:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_overrides([str(o) for o in overrides])
+
+
+def is_method_key(key: str) -> bool:
+    """`method`, `method.<option>` (also `+method.x`, `~method`) and `methods`."""
+    return key in ("method", "methods") or key.startswith("method.")
+
+
+def job_dirname(overrides, exclude_keys=()) -> str:
+    """`hydra.sweep.subdir` (conf/config.yaml): Hydra's override_dirname without the method keys, so the
+    jobs of a sweep that differ only in method keys share one run directory, each setting in <tag>/."""
+    excluded = {str(k) for k in (exclude_keys or [])}
+    lines = sorted(o.input_line for o in _parse_overrides(overrides or [])
+                   if not is_method_key(o.key_or_group) and o.key_or_group not in excluded)
+    return ",".join(lines)
+
+
+def _register_resolvers() -> None:
+    register_resolvers()
+    if not OmegaConf.has_resolver("kv.job_dirname"):
+        OmegaConf.register_new_resolver("kv.job_dirname", job_dirname)
+
+
+_register_resolvers()
+
+
+# --------------------------------------------------------------------------------------------------
+# Settings: `method=<name>` or `methods=[...]`
+# --------------------------------------------------------------------------------------------------
+
+
+def _available_methods() -> list[str]:
+    folder = CONF_DIR / "method"
+    return sorted(p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml"))
+
+
+def method_entries(cfg: DictConfig, overrides: list[str] | None) -> list[dict] | None:
+    """The `methods` list as mappings `{name: <config name>, <option>: <value>}`, or None without one.
+    Refuses `methods` together with method keys on the command line (conf/config.yaml's default
+    `method: full` is not one)."""
+    raw = cfg.get("methods")
+    if raw is None:
+        return None
+    given = [o.input_line for o in _parse_overrides(overrides or []) if o.key_or_group != "methods" and is_method_key(o.key_or_group)]
+    if given:
+        raise HarnessError(f"methods and method are exclusive: give each setting as a methods entry "
+                           f"(e.g. 'methods=[full,{{name: snapkv, budget: 512}}]') instead of {given[0]}")
+    items = OmegaConf.to_container(raw, resolve=False) if OmegaConf.is_config(raw) else raw
+    require(isinstance(items, list), f"methods must be a list of method configs, e.g. 'methods=[full,snapkv]'; got {items!r}")
+    require(items, "methods is empty; give at least one method, e.g. 'methods=[full,snapkv]'")
+    available = _available_methods()
+    entries = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            item = {"name": item}
+        require(isinstance(item, dict) and isinstance(item.get("name"), str),
+                f"methods[{i}]: {item!r} is neither a method config name nor a mapping with name: <method config>")
+        require(item["name"] in available, f"methods[{i}]: unknown method {item['name']!r}; available: {', '.join(available)}")
+        entries.append(dict(item))
+    return entries
+
+
+_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
+
+
+def override_value(value) -> str:
+    """A Python/YAML value as Hydra override syntax (what one would type after `method.<option>=`)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if _PLAIN.fullmatch(text) and text.lower() not in ("true", "false", "null", "none", "nan", "inf"):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _compose(config_name: str, overrides: list[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():  # inside the app (and its launcher jobs): the app's own search path
+        return compose(config_name=config_name, overrides=overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides)
+
+
+def compose_settings(entries: list[dict], overrides: list[str] | None, config_name: str = "config") -> list[tuple[str, DictConfig]]:
+    """(tag, config) per distinct setting: each config composed as `python -m harness <overrides without
+    methods> method=<name> method.<option>=<value> ...` composes it (presets' `defaults:` included), with
+    `methods` set to null. Entries that resolve to the same tag run once (logged)."""
+    from hydra.errors import HydraException
+
+    base = [o.input_line for o in _parse_overrides(overrides or []) if o.key_or_group != "methods"]
+    out: list[tuple[str, DictConfig]] = []
+    seen: dict[str, int] = {}
+    for i, entry in enumerate(entries):
+        name = entry["name"]
+        options = {k: v for k, v in entry.items() if k != "name"}
+        try:
+            plain = _compose(config_name, [*base, f"method={name}"])
+            unknown = [k for k in options if k not in plain.method]
+            if unknown:
+                raise HarnessError(f"methods[{i}]: method {name!r} has no option {unknown[0]!r}; "
+                                   f"its options: {', '.join(k for k in plain.method if k not in ('name', 'tag'))}")
+            scfg = _compose(config_name, [*base, f"method={name}", *(f"method.{k}={override_value(v)}" for k, v in options.items())])
+        except HydraException as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise HarnessError(f"methods[{i}] ({name}): {first}") from None
+        with open_dict(scfg):
+            scfg.methods = None
+        try:
+            tag = str(scfg.method.tag)
+        except Exception as exc:  # noqa: BLE001  (an interpolation that cannot resolve)
+            raise HarnessError(f"methods[{i}] ({name}): its tag does not resolve ({type(exc).__name__}: {exc})") from None
+        if tag in seen:
+            log.info("methods[%d] (%s) resolves to tag %s, as methods[%d] does: run once", i, name, tag, seen[tag])
+            continue
+        seen[tag] = i
+        out.append((tag, scfg))
+    return out
+
+
+def writes_run_dir_itself(task) -> bool:
+    """Tasks that compare their own methods (bench: task.methods) write into the run directory itself."""
+    return hasattr(task, "prepare_and_run")
+
+
+def setting_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    """Where a config's results go inside a run directory: <run dir>/<method tag> (bench: <run dir>)."""
+    return Path(run_dir) if writes_run_dir_itself(get_task(cfg.task.name)) else Path(run_dir) / str(cfg.method.tag)
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------
+
+
+def execute(cfg: DictConfig, run_path: Path, overrides: list[str] | None = None, config_name: str = "config") -> dict:
+    """Run one configured experiment into the run directory `run_path`; returns the results dict of its
+    setting (also written to `<run_path>/<tag>/results.json`) or, with `methods`, a dict with every
+    setting's results under "settings". `overrides`: the command line's task overrides (what a
+    separate run of each `methods` entry is composed from).
 
     On a HarnessError nothing this run wrote is left behind unless an item had finished (that work
     is kept for the next run); the error propagates."""
-    run_dir = RunDir(run_path)
+    run_path = Path(run_path)
+    dirs: list[RunDir] = []
     try:
-        return _execute(cfg, run_dir)
+        return _execute(cfg, run_path, overrides, config_name, dirs)
     except HarnessError:
-        run_dir.rollback()
+        for run_dir in dirs:
+            run_dir.rollback()
+        remove_if_empty(run_path)
         raise
+    finally:
+        for run_dir in dirs:
+            run_dir.unlock()
 
 
-def _execute(cfg: DictConfig, run_dir: RunDir) -> dict:
+def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs: list[RunDir]) -> dict:
     task = get_task(cfg.task.name)
     task.validate(cfg.task)
-    resume = bool(cfg.resume)
-    if hasattr(task, "prepare_and_run"):  # tasks that manage their own models (bench)
+    resume = resume_mode(cfg.get("resume", True))
+    entries = method_entries(cfg, overrides)
+    if writes_run_dir_itself(task):
+        require(entries is None, f"task={cfg.task.name} compares the methods of task.methods itself; "
+                                 "methods= is for the per-method tasks (needle, longbench, ...)")
+        run_dir = RunDir(run_path)
+        dirs.append(run_dir)
+        check_writable(run_path)
+        run_dir.lock()
         seed_everything(int(cfg.seed))
         return task.prepare_and_run(cfg, run_dir)
 
-    from harness.tasks.common import check_method, load_model_and_method
+    from harness.tasks.common import check_method
 
-    run_dir.check(cfg, resume=resume)  # before the model: unwritable folder, conflicting earlier run
-    check_method(cfg)  # before the model: bad budgets, windows, kernels
-    seed_everything(int(cfg.seed))
-    loaded, method = load_model_and_method(cfg)
-    run_dir.prepare(cfg, resume=resume, device=str(loaded.device))  # config.yaml, provenance.json
-    started = time.time()
-    out = task.run(cfg, loaded, method, run_dir, progress=bool(cfg.progress))
+    configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
+    planned = []
+    for tag, scfg in configs:
+        run_dir = RunDir(run_path / tag)
+        dirs.append(run_dir)
+        run_dir.check(scfg, resume=resume)  # before the model: unwritable folder, conflicting earlier run, other code
+        planned.append((tag, scfg, check_method(scfg), run_dir))  # before the model: bad budgets, windows, kernels
+    for *_, run_dir in sorted(planned, key=lambda p: str(p[3].path)):  # one order for every process: no deadlock
+        run_dir.lock()
+
     from harness.methods.engine import attention_modules
+    from harness.models import load_model
 
+    seed_everything(int(cfg.seed))
+    loaded = load_model(cfg.model)
     num_layers = len(attention_modules(loaded.model))
-    failures = out.get("failures") or []
-    results = {
-        "schema": 1,
-        "task": cfg.task.name,
-        "status": "items_failed" if failures else out["summary"].get("status", "complete"),
-        "model": {"name": loaded.name, **loaded.info, "chat_format": loaded.chat_format, "eos_token_ids": loaded.eos_token_ids},
-        "method": method.describe(num_layers),
-        "method_tag": cfg.method.tag,
-        "summary": out["summary"],
-        "failures": len(failures),
-        "failed_items": [{k: v for k, v in f.items() if k != "traceback"} for f in failures],
-        "rows": out.get("rows", []),
-        "config": OmegaConf.to_container(cfg, resolve=True),
-        "provenance": {**run_dir.provenance, "wall_seconds": round(time.time() - started, 2)},
-    }
-    run_dir.write_results(results)
-    return results
+    settings = []
+    for tag, scfg, method, run_dir in planned:
+        method.validate(num_layers, loaded.max_positions)
+        run_dir.prepare(scfg, resume=resume, device=str(loaded.device))  # config.yaml, provenance.json (re-checked under the lock)
+        settings.append(_setting(tag, method, scfg, run_dir))
+    started = time.time()
+    outs = _run_task(task, cfg, loaded, settings, progress=bool(cfg.progress))
+    wall = round(time.time() - started, 2)
+    done = {}
+    for s in settings:
+        out = outs[s.tag]
+        failures = out.get("failures") or []
+        results = {
+            "schema": 1,
+            "task": s.cfg.task.name,
+            "status": "items_failed" if failures else out["summary"].get("status", "complete"),
+            "model": {"name": loaded.name, **loaded.info, "chat_format": loaded.chat_format, "eos_token_ids": loaded.eos_token_ids},
+            "method": s.method.describe(num_layers),
+            "method_tag": s.tag,
+            "summary": out["summary"],
+            "failures": len(failures),
+            "failed_items": [{k: v for k, v in f.items() if k != "traceback"} for f in failures],
+            "rows": out.get("rows", []),
+            "config": OmegaConf.to_container(s.cfg, resolve=True),
+            "provenance": {**s.run_dir.provenance, "wall_seconds": wall,
+                           **({"settings_in_process": [x.tag for x in settings]} if len(settings) > 1 else {})},
+        }
+        s.run_dir.write_results(results)
+        done[s.tag] = results
+    update_index(run_path, done)
+    if entries is None:
+        return done[settings[0].tag]
+    return {"settings": done, "summary": {tag: _main_score(r["summary"])[1] for tag, r in done.items()},
+            "failures": sum(int(r["failures"]) for r in done.values())}
+
+
+def _setting(tag, method, cfg, run_dir):
+    try:
+        from harness.tasks.common import Setting
+    except ImportError:  # a task side without the multi-setting contract
+        from types import SimpleNamespace as Setting
+    return Setting(tag=tag, method=method, cfg=cfg, run_dir=run_dir)
+
+
+def _run_task(task, cfg, loaded, settings, *, progress: bool) -> dict[str, dict]:
+    """task.run(cfg, loaded, settings, progress) -> {tag: {"summary", "rows", "failures"}}; a task runner
+    with the one-method signature run(cfg, loaded, method, run_dir, progress) runs each setting in turn."""
+    params = list(inspect.signature(task.run).parameters)
+    if len(params) > 2 and params[2] == "settings":
+        return task.run(cfg, loaded, settings, progress=progress)
+    outs = {}
+    for s in settings:
+        seed_everything(int(s.cfg.seed))
+        outs[s.tag] = task.run(s.cfg, loaded, s.method, s.run_dir, progress=progress)
+    return outs
+
+
+# --------------------------------------------------------------------------------------------------
+# The run directory's index: methods.json and comparison.md
+# --------------------------------------------------------------------------------------------------
+
+
+def _main_score(summary: dict) -> tuple[str | None, float | None]:
+    """(name, value) of a task summary's headline score: `main_score` if the task gives one, else the
+    needle's `mean_score` (named by `score_name`), else LongBench's `average`."""
+    for key, name in (("main_score", summary.get("score_name") or "main_score"),
+                      ("mean_score", summary.get("score_name") or "mean_score"), ("average", "average")):
+        value = summary.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return name, value
+    return None, None
+
+
+def _budget_text(method: dict) -> str:
+    if method.get("name") == "full":
+        return "all"
+    if method.get("ratio") is not None:
+        return f"ratio {method['ratio']}"
+    return str(method.get("budget")) if method.get("budget") is not None else "-"
+
+
+def update_index(run_path: Path, done: dict[str, dict]) -> None:
+    """Add this run's settings to `methods.json` (tag -> sub-directory, method, headline score, status)
+    and rewrite `comparison.md` from it. Under a lock: jobs of one sweep share the run directory."""
+    lock = RunLock(run_path, name=".index.lock").acquire(quiet=True)
+    try:
+        path = run_path / INDEX_FILE
+        try:
+            index = json.loads(path.read_text(encoding="utf-8"))
+            settings = dict(index.get("settings") or {})
+        except (OSError, ValueError, AttributeError):
+            settings = {}
+        for tag, results in done.items():
+            name, score = _main_score(results["summary"])
+            settings[tag] = {"dir": tag, "method": results["method"].get("name"), "budget": _budget_text(results["method"]),
+                             "task": results["task"], "model": results["model"].get("name"), "score_name": name,
+                             "score": score, "status": results["status"], "failures": results["failures"],
+                             "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        settings = {t: settings[t] for t in sorted(settings, key=lambda t: (settings[t].get("method") != "full", t))}
+        write_json(path, {"schema": 1, "settings": settings})
+        rows = ["| setting | method | budget | score | status |", "|---|---|---|---|---|"]
+        for tag, s in settings.items():
+            score = "-" if s.get("score") is None else f"{s['score']:.4f}" if isinstance(s["score"], float) else str(s["score"])
+            status = s["status"] + (f" ({s['failures']} failed)" if s.get("failures") else "")
+            rows.append(f"| [{tag}]({s['dir']}/results.json) | {s['method']} | {s['budget']} | {score} | {status} |")
+        names = sorted({s.get("score_name") or "-" for s in settings.values()})
+        first = next(iter(settings.values()))
+        title = f"# {first.get('task')} on {first.get('model')}: {', '.join(names)} per setting\n\n"
+        write_text(run_path / COMPARISON_FILE, title + "\n".join(rows) + "\n")
+    finally:
+        lock.release()
+
+
+# --------------------------------------------------------------------------------------------------
+# The entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def _result_dirs(path: Path, results: dict) -> list[Path]:
+    if "settings" in results:
+        return [path / tag for tag in results["settings"]]
+    tag = results.get("method_tag")
+    return [path / str(tag)] if tag is not None and (path / str(tag) / "results.json").exists() else [path]
 
 
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    hydra_cfg = HydraConfig.get()
     path = run_dir_path()
-    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    overrides = list(hydra_cfg.overrides.task)
     try:
-        results = execute(cfg, path)
+        results = execute(cfg, path, overrides=overrides, config_name=hydra_cfg.job.config_name or "config")
     except HarnessError as exc:
         if multirun:
             log.error("error: %s", exc)
@@ -124,11 +424,17 @@ def main(cfg: DictConfig) -> None:
             raise
         print(f"interrupted: finished items are kept in {path}; rerun the same command to resume", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
-    log.info("results: %s", path / "results.json")
-    log.info("summary: %s", _short(results["summary"]))
+    dirs = _result_dirs(path, results)
+    for tag, one in (results.get("settings") or {None: results}).items():
+        where = path / tag if tag else dirs[0]
+        log.info("results: %s", where / "results.json")
+        log.info("summary%s: %s", f" ({tag})" if tag else "", _short(one["summary"]))
+    if (path / COMPARISON_FILE).exists() and "settings" in results:
+        log.info("comparison: %s", path / COMPARISON_FILE)
     failed = int(results.get("failures") or 0)
     if failed:
-        records = ", ".join(str(p) for p in sorted(path.glob("failures*.json"))) or str(path / "failures.json")
+        found = sorted(p for d in dirs for p in d.glob("failures*.json"))
+        records = ", ".join(str(p) for p in found) or str(dirs[0] / "failures.json")
         message = (f"error: {failed} item(s) failed (recorded in {records} and results.json); "
                    "rerun the same command to retry exactly those items")
         if multirun:

@@ -1,26 +1,22 @@
-"""Never lose work: torn lines, SIGKILL mid-run, resume, and refusing a rerun with another config."""
+"""Never lose work: torn lines, SIGKILL mid-run (at chosen points), resume, refusing a rerun with another
+config or over records of other code, and the run-directory lock."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, compose, run_cli
+from conftest import compose, run_cli
 from harness import rundir
 from harness.errors import HarnessError
-from harness.rundir import JsonlLog, RunDir, result_key_differences
+from harness.rundir import JsonlLog, RunDir, RunLock, code_changes, code_version, resume_mode, result_key_differences
 from test_robustness import ENV, small_haystack
 
-TIMING_FIELDS = {"prefill_seconds", "decode_seconds"}
+TIMING_FIELDS = {"prefill_seconds", "decode_seconds", "shared_prefill_seconds"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -45,6 +41,7 @@ def test_torn_last_line_is_cut_and_the_item_redone(tmp_path):
     lines = path.read_text().splitlines()
     assert len(lines) == 3 and all(json.loads(x) for x in lines)
     assert JsonlLog(path, ("length", "depth")).records[(1, 100.0)]["response"] == "c"
+    assert json.loads(lines[2])["_code"] == code_version()  # every appended record says which code wrote it
 
 
 def test_torn_line_that_is_the_whole_file(tmp_path):
@@ -84,7 +81,10 @@ def test_keys_that_do_not_change_results_are_ignored():
     assert result_key_differences(base, _resolved("method=snapkv", "seed=1", "task.depths=[5]")) == ["seed", "task.depths"]
     assert result_key_differences(base, _resolved("method=full")) == [
         "method.budget", "method.gqa", "method.kernel_size", "method.name", "method.pooling", "method.tag", "method.window_size"]
-    for key in ("resume", "progress", "task.log_prompts", "task.shard", "hydra", "task.data_dir", "model.device_map"):
+    full = _resolved("method=full")
+    assert result_key_differences(full, _resolved("method=full", "method.budget=64", "method.ratio=0.5")) == []  # no-ops
+    assert result_key_differences(base, {**base, "methods": ["full", "snapkv"]}) == []
+    for key in ("resume", "progress", "task.log_prompts", "task.shard", "hydra", "task.data_dir", "model.device_map", "methods"):
         assert key in rundir.NON_RESULT_KEYS
 
 
@@ -92,13 +92,13 @@ def test_rundir_refuses_another_config_unless_resume_false(tmp_path):
     cfg = compose("model=tiny-random", "method=snapkv")
     run = RunDir(tmp_path)
     run.prepare(cfg, resume=True)
-    (tmp_path / "needle_cells.jsonl").write_text(_line({"length": 1, "depth": 0.0}))
+    (tmp_path / "needle_cells.jsonl").write_text(_line({"length": 1, "depth": 0.0, "_code": code_version()}))
     (tmp_path / "results.json").write_text("{}")
     other = compose("model=tiny-random", "method=snapkv", "method.budget=128")
     with pytest.raises(HarnessError) as err:
         RunDir(tmp_path).check(other, resume=True)
     message = str(err.value)
-    assert "\n" not in message and "method.budget: 256 -> 128" in message and "resume=false" in message
+    assert "\n" not in message and "method.budget: 1024 -> 128" in message and "resume=false" in message
     RunDir(tmp_path).check(compose("model=tiny-random", "method=snapkv", "progress=false"), resume=True)  # fine
     RunDir(tmp_path).prepare(other, resume=False)  # starts afresh: earlier records and results are gone
     assert not (tmp_path / "needle_cells.jsonl").exists() and not (tmp_path / "results.json").exists()
@@ -120,30 +120,127 @@ def test_provenance_json_keeps_the_sessions_of_a_resumed_run(tmp_path, monkeypat
 
 
 # ---------------------------------------------------------------------------------------------------
-# SIGKILL at random moments, then resume: the same predictions as an uninterrupted run
+# Code versions: records of other code are not resumed unless resume=force
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_resume_values():
+    assert [resume_mode(v) for v in (True, False, "true", "false", "force", "FORCE")] == [True, False, True, False, "force", "force"]
+    with pytest.raises(HarnessError, match=r"resume='maybe' is not one of true, false, force"):
+        resume_mode("maybe")
+
+
+def test_code_fingerprint_covers_source_data_and_libraries():
+    code = code_version()
+    assert set(code) == {"fingerprint", "torch", "transformers"} and len(code["fingerprint"]) == 12
+    import torch
+    import transformers
+
+    assert torch.__version__.startswith(code["torch"].split("+")[0]) and code["transformers"] == transformers.__version__
+    assert code_changes([code, code]) == []
+    other = {**code, "fingerprint": "abcdef012345", "transformers": "0.0.1"}
+    assert code_changes([code, other, None]) == [
+        f"code changed (fingerprint abcdef012345 -> {code['fingerprint']})", f"transformers 0.0.1 -> {code['transformers']}",
+        "1 record(s) without a code fingerprint (written before fingerprints were recorded)"]
+
+
+def _record(code) -> str:
+    return json.dumps({"length": 1, "depth": 0.0, "response": "a", **({"_code": code} if code is not None else {})}) + "\n"
+
+
+@pytest.mark.parametrize("what", ["fingerprint", "torch", "transformers", "absent"])
+def test_records_of_other_code_are_refused_unless_force(tmp_path, what):
+    cfg = compose("model=tiny-random", "method=snapkv")
+    RunDir(tmp_path).prepare(cfg, resume=True)
+    current = code_version()
+    code = None if what == "absent" else {**current, what: "abcdef012345" if what == "fingerprint" else "0.0.1"}
+    (tmp_path / "needle_cells.jsonl").write_text(_line({"length": 1, "depth": 50.0, "_code": current}) + _record(code))
+    expected = {"fingerprint": f"code changed (fingerprint abcdef012345 -> {current['fingerprint']})",
+                "torch": f"torch 0.0.1 -> {current['torch']}", "transformers": f"transformers 0.0.1 -> {current['transformers']}",
+                "absent": "1 record(s) without a code fingerprint"}[what]
+    with pytest.raises(HarnessError) as err:
+        RunDir(tmp_path).check(cfg, resume=True)
+    message = str(err.value)
+    assert "\n" not in message and expected in message and "resume=force" in message and "resume=false" in message
+    forced = compose("model=tiny-random", "method=snapkv", "resume=force")
+    run = RunDir(tmp_path)
+    run.prepare(forced, resume="force")  # accepted, and recorded
+    assert expected in json.loads((tmp_path / "provenance.json").read_text())["forced_resume"][0]
+    RunDir(tmp_path).check(forced, resume=True)  # a caller passing bool(cfg.resume) still honours force
+    RunDir(tmp_path).prepare(cfg, resume=False)  # afresh: the records are gone, nothing to refuse
+    RunDir(tmp_path).check(cfg, resume=True)
+
+
+def test_a_config_difference_is_still_refused_under_force(tmp_path):
+    RunDir(tmp_path).prepare(compose("model=tiny-random", "method=snapkv"), resume=True)
+    with pytest.raises(HarnessError, match=r"different config \(method\.budget: 1024 -> 64;"):
+        RunDir(tmp_path).check(compose("model=tiny-random", "method=snapkv", "method.budget=64", "resume=force"), resume="force")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run-directory lock
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_lock_makes_a_second_holder_wait(tmp_path):
+    first = RunLock(tmp_path).acquire()
+    assert "pid" in (tmp_path / ".lock").read_text()
+    got = threading.Event()
+
+    def second():
+        lock = RunLock(tmp_path).acquire()
+        got.set()
+        lock.release()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    time.sleep(0.3)
+    assert not got.is_set(), "the second holder must wait"
+    first.release()
+    thread.join(timeout=10)
+    assert got.is_set()
+
+
+def test_lock_survives_the_holder_removing_the_file(tmp_path):
+    """A rolled-back run removes its directory's lock file while another waits: the waiter locks afresh."""
+    first = RunLock(tmp_path).acquire()
+    holders = []
+
+    def second():
+        lock = RunLock(tmp_path).acquire()
+        holders.append(os.fstat(lock._fd).st_ino == os.stat(tmp_path / ".lock").st_ino)
+        third = RunLock(tmp_path)
+        blocked = threading.Thread(target=lambda: holders.append(third.acquire() and "third"))
+        blocked.start()
+        time.sleep(0.2)
+        holders.append(len(holders))  # the third has not got it while the second holds it
+        lock.release()
+        blocked.join(timeout=10)
+        third.release()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    time.sleep(0.2)
+    first.release(remove=True)
+    thread.join(timeout=10)
+    assert holders == [True, 1, "third"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# SIGKILL at chosen points, then resume: the same predictions as an uninterrupted run
 # ---------------------------------------------------------------------------------------------------
 
 GRID = ("model=tiny-random", "progress=false", "method=snapkv", "method.budget=64", "task.lengths=[128,256]",
         "task.depths=[0,25,50,75,100]", "task.max_new_tokens=6")
+TAG = "snapkv_c64_w32_k7_maxpool_expand"
 CELLS = 10
-
-
-def _popen(args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=REPO, env={**os.environ, **ENV},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _lines(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
 
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory):
-    """Two uninterrupted runs ("reference", "again") and, concurrently, a run killed with SIGKILL at
-    random moments (a torn line planted after the first kill, as if it had hit a write), then resumed."""
+    """Two uninterrupted runs ("reference", "again") and, meanwhile, one run killed with SIGKILL twice at chosen
+    points (harness.rundir.KILL_ENV): right after its 3rd record is appended, then (resumed) in the middle of
+    writing its 2nd record, leaving half a line; then resumed to the end."""
     base = tmp_path_factory.mktemp("sigkill")
     args = (*GRID, f"task.haystack_dir={small_haystack(base / 'haystack')}")
     uninterrupted: dict = {}
@@ -154,72 +251,60 @@ def killed_and_resumed(tmp_path_factory):
     threads = [threading.Thread(target=run_to_end, args=(name,)) for name in ("reference", "again")]
     for thread in threads:
         thread.start()
-    seed = int(time.time())
-    rng = random.Random(seed)
     run_path = base / "killed"
-    cells = run_path / "needle_cells.jsonl"
-    kills = []
-    for attempt in range(2):
-        before = _lines(cells)
-        proc = _popen((*args, f"hydra.run.dir={run_path}"))
-        deadline = time.time() + 240
-        while proc.poll() is None and _lines(cells) <= before and time.time() < deadline:
-            time.sleep(0.02)
-        if _lines(cells) > before:  # somewhere inside one of the next two cells (or their writes)
-            text = cells.read_text()
-            last = json.loads(text[: text.rfind("\n")].splitlines()[-1])  # the last complete line
-            time.sleep(rng.uniform(0, 2) * (last["prefill_seconds"] + last["decode_seconds"]))
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills.append(_lines(cells))
-        proc.communicate(timeout=60)
-        if attempt == 0 and cells.exists():  # as if that kill had landed in the middle of a write
-            last = cells.read_text().splitlines()[-1]
-            with open(cells, "a") as f:
-                f.write(last.replace('"length": ', '"length": 9', 1)[: len(last) // 2])
+    cells = run_path / TAG / "needle_cells.jsonl"
+    killed, snapshots = [], []
+    for point in ("after:3", "mid:2"):
+        killed.append(run_cli(*args, f"hydra.run.dir={run_path}", env={**ENV, rundir.KILL_ENV: point}, timeout=300))
+        snapshots.append(cells.read_bytes())
     final = run_cli(*args, f"hydra.run.dir={run_path}", env=ENV, timeout=300)
     for thread in threads:
         thread.join()
-    return {**uninterrupted, "final": final, "kills": kills, "seed": seed, "base": base, "args": args}
+    return {**uninterrupted, "final": final, "killed": killed, "snapshots": snapshots, "base": base, "args": args}
 
 
 def test_sigkill_then_resume_equals_an_uninterrupted_run(killed_and_resumed):
     run = killed_and_resumed
-    about = f"kills after {run['kills']} lines (seed {run['seed']})"
     assert run["reference"].returncode == 0, run["reference"].stderr[-3000:]
+    assert [p.returncode for p in run["killed"]] == [-9, -9], [p.stderr[-2000:] for p in run["killed"]]
     assert run["final"].returncode == 0, run["final"].stderr[-3000:]
-    assert run["kills"], "no run was killed mid-way: the grid finished too fast"
-    assert "already done" in run["final"].stdout, about
-    texts = {name: (run["base"] / name / "needle_cells.jsonl").read_text() for name in ("reference", "killed")}
+    after_first, after_second = run["snapshots"]
+    assert after_first.count(b"\n") == 3 and after_first.endswith(b"\n")  # killed right after the 3rd record
+    assert after_second.startswith(after_first)
+    whole, half = after_second[len(after_first):].split(b"\n")  # the second kill: one more record, then half a line
+    assert json.loads(whole)["_code"] and half and not half.endswith(b"}")
+    assert "3 of 10 item records already done" in run["killed"][1].stdout  # the first kill's 3 records resumed
+    assert "4 of 10 item records already done" in run["final"].stdout  # the half line was cut off and redone
+    texts = {name: (run["base"] / name / TAG / "needle_cells.jsonl").read_text() for name in ("reference", "killed")}
     records = {name: [json.loads(line) for line in text.splitlines()] for name, text in texts.items()}  # every line valid
     keys = {name: [(r["length"], r["depth"]) for r in recs] for name, recs in records.items()}
-    assert len(keys["killed"]) == len(set(keys["killed"])) == CELLS, about  # no duplicates, nothing missing
-    assert set(keys["killed"]) == set(keys["reference"]), about
+    assert len(keys["killed"]) == len(set(keys["killed"])) == CELLS  # no duplicates, nothing missing
+    assert set(keys["killed"]) == set(keys["reference"])
     by_key = {name: {(r["length"], r["depth"]): r for r in recs} for name, recs in records.items()}
     for key, ref in by_key["reference"].items():
         got = by_key["killed"][key]
         assert {k: v for k, v in got.items() if k not in TIMING_FIELDS} == {k: v for k, v in ref.items() if k not in TIMING_FIELDS}, key
         assert set(got) == set(ref)
-    results = {name: json.loads((run["base"] / name / "results.json").read_text()) for name in ("reference", "killed")}
+    results = {name: json.loads((run["base"] / name / TAG / "results.json").read_text()) for name in ("reference", "killed")}
     assert results["killed"]["summary"] == results["reference"]["summary"]
     assert results["killed"]["status"] == "complete" and results["killed"]["failures"] == 0
     # The rows of results.json follow the grid order whatever order the cells finished in.
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]  # noqa: E731
     assert strip(results["killed"]["rows"]) == strip(results["reference"]["rows"])
-    prov = json.loads((run["base"] / "killed" / "provenance.json").read_text())
-    assert len(prov["earlier_sessions"]) >= 1, "a resumed run records the sessions it was made of"
+    prov = json.loads((run["base"] / "killed" / TAG / "provenance.json").read_text())
+    assert len(prov["earlier_sessions"]) == 2, "a resumed run records the sessions it was made of"
 
 
 def test_rerun_with_another_config_is_refused_in_one_line(killed_and_resumed):
     run = killed_and_resumed
-    run_path = run["base"] / "reference"
+    run_path = run["base"] / "reference" / TAG
     before = {p.name: p.read_bytes() for p in run_path.iterdir() if p.is_file()}
-    proc = run_cli(*run["args"], "method.budget=128", "method.window_size=8", f"hydra.run.dir={run_path}", env=ENV, timeout=300)
+    proc = run_cli(*run["args"], "task.max_new_tokens=8", "seed=1", f"hydra.run.dir={run['base'] / 'reference'}", env=ENV, timeout=300)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     shown = f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, shown
     assert lines[0].startswith(f"error: {run_path} holds a run with a different config ("), shown
-    assert "method.budget: 64 -> 128" in lines[0] and "method.window_size: 16 -> 8" in lines[0], shown
+    assert "seed: 0 -> 1" in lines[0] and "task.max_new_tokens: 6 -> 8" in lines[0], shown
     assert "resume=false" in lines[0], shown
     print(lines[0])
     assert {p.name: p.read_bytes() for p in run_path.iterdir() if p.is_file()} == before  # untouched
@@ -231,7 +316,7 @@ def test_two_runs_differ_only_in_timings(killed_and_resumed):
     run = killed_and_resumed
     for name in ("reference", "again"):
         assert run[name].returncode == 0, run[name].stderr[-3000:]
-    texts = [(run["base"] / name / "needle_cells.jsonl").read_text() for name in ("reference", "again")]
+    texts = [(run["base"] / name / TAG / "needle_cells.jsonl").read_text() for name in ("reference", "again")]
     records = [[json.loads(line) for line in text.splitlines()] for text in texts]
     assert len(records[0]) == len(records[1]) == CELLS
     for ra, rb in zip(*records):
@@ -241,11 +326,11 @@ def test_two_runs_differ_only_in_timings(killed_and_resumed):
     stripped = ["\n".join(json.dumps({k: v for k, v in r.items() if k not in TIMING_FIELDS}, ensure_ascii=False) for r in recs)
                 for recs in records]
     assert stripped[0] == stripped[1]
-    results = [json.loads((run["base"] / name / "results.json").read_text()) for name in ("reference", "again")]
+    results = [json.loads((run["base"] / name / TAG / "results.json").read_text()) for name in ("reference", "again")]
     assert results[0]["summary"] == results[1]["summary"]
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in rows]  # noqa: E731
     assert strip(results[0]["rows"]) == strip(results[1]["rows"])
     # The run directory says where the numbers came from.
-    prov = json.loads((run["base"] / "reference" / "provenance.json").read_text())
-    assert {"git", "torch", "transformers", "python", "seed", "device", "argv", "packages"} <= set(prov)
+    prov = json.loads((run["base"] / "reference" / TAG / "provenance.json").read_text())
+    assert {"git", "code", "torch", "transformers", "python", "seed", "device", "argv", "packages"} <= set(prov)
     assert prov["seed"] == 0 and prov["device"] == "cpu" and prov["earlier_sessions"] == []

@@ -51,6 +51,17 @@ BAD_INPUTS = [
     ("even-kernel", ["method=snapkv", "method.kernel_size=4"], r"error: method\.kernel_size=4 must be a positive odd number", False),
     ("budget-above-max-positions", ["method=snapkv", "method.budget=9000"],
      r"error: method\.budget=9000 exceeds the model's maximum positions \(8192\)", False),
+    ("budget-and-ratio", ["method=snapkv", "method.budget=512", "method.ratio=0.25"],
+     r"error: method\.budget=512 and method\.ratio=0\.25 are exclusive: give one", False),
+    ("neither-budget-nor-ratio", ["method=h2o", "method.budget=null"],
+     r"error: method h2o needs method\.budget \(tokens kept per head per layer\) or method\.ratio", False),
+    ("ratio-above-one", ["method=snapkv", "method.ratio=1.5"], r"error: method\.ratio=1\.5 must be a number in \(0, 1\]", False),
+    ("methods-and-method", ["methods=[full,snapkv]", "method=snapkv"], r"error: methods and method are exclusive: .*method=snapkv$", False),
+    ("methods-unknown-entry", ["methods=[full,nope]"], r"error: methods\[1\]: unknown method 'nope'; available: .*snapkv", False),
+    ("methods-unknown-option", ["methods=[full,{name: snapkv, budgett: 3}]"], r"error: methods\[1\]: method 'snapkv' has no option 'budgett'", False),
+    ("methods-bad-setting", ["methods=[full,{name: snapkv, budget: 16, window_size: 16}]"],
+     r"error: method\.budget=16 must be larger than method\.window_size=16", False),
+    ("resume-value", ["resume=maybe"], r"error: resume='maybe' is not one of true, false, force", False),
     ("depth-above-100", ["task.depths=[101]"], r"error: task\.depths: 101 is outside \[0, 100\]", False),
     ("empty-lengths", ["task.lengths=[]"], r"error: task\.lengths is empty", False),
     ("haystack-without-text", ["task.haystack_dir={tmp}/empty_haystack"], r"error: haystack folder .* has no non-empty \.txt files", False),
@@ -156,38 +167,39 @@ def test_failed_item_is_recorded_counted_and_retried_alone(tmp_path, monkeypatch
 
     haystack = small_haystack(tmp_path / "haystack")
     run_path = tmp_path / "run"
-    real = harness.decoding.greedy_generate
+    setting = run_path / "full"  # <run dir>/<method tag>
+    real = harness.decoding.greedy_decode
     calls = []
 
-    def out_of_memory_on_second_cell(model, input_ids, **kwargs):
-        calls.append(input_ids.shape[1])
+    def out_of_memory_on_second_cell(*args, **kwargs):
+        calls.append(1)
         if len(calls) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB (simulated)")
-        return real(model, input_ids, **kwargs)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(harness.decoding, "greedy_generate", out_of_memory_on_second_cell)
+    monkeypatch.setattr(harness.decoding, "greedy_decode", out_of_memory_on_second_cell)
     results = execute(_needle_cfg(haystack), run_path)
     assert len(calls) == 3, "the run goes on after the failed item"
     assert results["failures"] == 1 and results["status"] == "items_failed"
     assert results["summary"]["failed_cells"] == 1 and results["summary"]["cells"] == 2
-    saved = json.loads((run_path / "results.json").read_text())
+    saved = json.loads((setting / "results.json").read_text())
     assert saved["status"] == "items_failed" and saved["failures"] == 1
     assert saved["failed_items"] == [{"desc": "needle cells", "key": [128, 50.0], "oom": True,
                                       "error": "OutOfMemoryError: CUDA out of memory. Tried to allocate 80.00 GiB (simulated)"}]
-    failures = json.loads((run_path / "failures.json").read_text())
+    failures = json.loads((setting / "failures.json").read_text())
     assert len(failures) == 1 and failures[0]["key"] == [128, 50.0] and failures[0]["oom"] is True
     assert "OutOfMemoryError" in failures[0]["error"] and "out_of_memory_on_second_cell" in failures[0]["traceback"]
-    done = (run_path / "needle_cells.jsonl").read_text()
+    done = (setting / "needle_cells.jsonl").read_text()
     assert [(r["length"], r["depth"]) for r in map(json.loads, done.splitlines())] == [(128, 0.0), (128, 100.0)]
 
     # The rerun (same config) generates exactly the failed cell, appends it, and is complete.
     calls.clear()
-    monkeypatch.setattr(harness.decoding, "greedy_generate", lambda model, input_ids, **kw: calls.append(1) or real(model, input_ids, **kw))
+    monkeypatch.setattr(harness.decoding, "greedy_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     again = execute(_needle_cfg(haystack), run_path)
     assert len(calls) == 1
     assert again["failures"] == 0 and again["status"] == "complete" and again["summary"]["cells"] == 3
-    assert json.loads((run_path / "failures.json").read_text()) == []
-    lines = (run_path / "needle_cells.jsonl").read_text()
+    assert json.loads((setting / "failures.json").read_text()) == []
+    lines = (setting / "needle_cells.jsonl").read_text()
     assert lines.startswith(done) and len(lines.splitlines()) == 3
     assert json.loads(lines.splitlines()[2])["depth"] == 50.0
 
@@ -198,6 +210,8 @@ class _FakeHydra:
 
         self.mode = mode
         self.runtime = SimpleNamespace(output_dir=str(path))
+        self.overrides = SimpleNamespace(task=[])
+        self.job = SimpleNamespace(config_name="config")
 
 
 def test_exit_status_for_failed_items(tmp_path, monkeypatch, capsys):
@@ -207,7 +221,7 @@ def test_exit_status_for_failed_items(tmp_path, monkeypatch, capsys):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    monkeypatch.setattr(harness.app, "execute", lambda cfg, path: {"summary": {"cells": 2}, "failures": 1})
+    monkeypatch.setattr(harness.app, "execute", lambda cfg, path, **kw: {"summary": {"cells": 2}, "failures": 1})
     for mode in (RunMode.RUN, RunMode.MULTIRUN):
         monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda mode=mode: _FakeHydra(mode, tmp_path)))
         if mode == RunMode.RUN:
@@ -219,7 +233,7 @@ def test_exit_status_for_failed_items(tmp_path, monkeypatch, capsys):
             with pytest.raises(JobFailed, match="error: 1 item\\(s\\) failed"):
                 harness.app.main(compose(*TINY))
 
-    def user_error(cfg, path):
+    def user_error(cfg, path, **kw):
         raise HarnessError("task.depths: 101 is outside [0, 100]")
 
     monkeypatch.setattr(harness.app, "execute", user_error)
@@ -250,8 +264,9 @@ def test_user_error_mid_run_keeps_finished_items(tmp_path, monkeypatch):
     monkeypatch.setattr(needle, "build_cell", fail_on_third)
     with pytest.raises(HarnessError):
         execute(cfg, tmp_path / "kept")
-    assert len((tmp_path / "kept" / "needle_cells.jsonl").read_text().splitlines()) == 2
-    assert (tmp_path / "kept" / "config.yaml").exists() and (tmp_path / "kept" / "provenance.json").exists()
+    kept = tmp_path / "kept" / "full"
+    assert len((kept / "needle_cells.jsonl").read_text().splitlines()) == 2
+    assert (kept / "config.yaml").exists() and (kept / "provenance.json").exists()
 
     calls.clear()
     calls.extend([1, 1])  # the first cell already fails

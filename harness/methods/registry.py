@@ -1,10 +1,30 @@
-"""The one list of compression methods: configs, README and tests all read it."""
+"""The one list of compression methods: configs, README and tests all read it.
+
+Also the config-level rules every method shares, checked before any model loads:
+
+- Budgets: `method.budget` (tokens kept per head per layer, window included) or `method.ratio` (the
+  fraction of the prompt kept per head per layer, window included): exactly one of the two for a
+  compressing method. The method configs write `budget: ${kv.budget:1024,${.ratio}}`, i.e. 1024 unless
+  a ratio is given, so `method.ratio=0.25` alone switches a config to a ratio.
+- Shared knobs: every method config has `budget`, `window_size` and `ratio`, so one override can be
+  swept across methods (`-m method=full,snapkv method.budget=512`). Where a knob means nothing
+  (`full`), the method lists it in `NOOP_OPTIONS`: accepted, recorded, and ignored by the run
+  directory's config comparison.
+- Tags: the OmegaConf resolvers below (`kv.*`, registered when this module is imported) build the
+  parts of `method.tag` that depend on which options are set (`c1024` for a budget, `r0.25` for a ratio).
+"""
 
 from __future__ import annotations
+
+from dataclasses import fields
+
+from omegaconf import OmegaConf
 
 from harness.errors import HarnessError
 
 METHODS: dict[str, type] = {}
+# Options every method config carries (so a shared override applies to any method of a sweep).
+SHARED_OPTIONS = ("budget", "window_size", "ratio")
 
 
 def register(cls):
@@ -14,13 +34,118 @@ def register(cls):
     return cls
 
 
+def noop_options(name) -> tuple[str, ...]:
+    """Options a method accepts and ignores (recorded, never compared for resume)."""
+    cls = METHODS.get(str(name)) if name is not None else None
+    return tuple(getattr(cls, "NOOP_OPTIONS", ())) if cls is not None else ()
+
+
+def _plain(value):
+    if hasattr(value, "__iter__") and not isinstance(value, (str, dict)):
+        return [_plain(v) for v in value]
+    return value
+
+
 def build_method(cfg):
     """Build a method from its config node (`name` plus the method's own options)."""
-    options = {k: v for k, v in dict(cfg).items() if k not in ("name", "tag")}
+    options = {k: _plain(v) for k, v in dict(cfg).items() if k not in ("name", "tag")}
     name = cfg["name"] if "name" in cfg else None
     if name not in METHODS:
         raise HarnessError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
-    for key, value in options.items():  # OmegaConf containers -> plain Python
-        if hasattr(value, "__iter__") and not isinstance(value, str):
-            options[key] = list(value)
-    return METHODS[name].from_config(options)
+    cls = METHODS[name]
+    known = {f.name for f in fields(cls)}
+    for key in SHARED_OPTIONS:  # a shared knob the method does not have: fine while it is unset
+        if key not in known and options.get(key, 0) is None:
+            del options[key]
+    if "budget" in known and "budget" not in noop_options(name):
+        check_budget_or_ratio(options.get("budget"), options.get("ratio"), name)
+    return cls.from_config(options)
+
+
+def check_budget_or_ratio(budget, ratio, name: str) -> None:
+    """Exactly one of method.budget (tokens) and method.ratio (fraction of the prompt) for a compressing method."""
+    if budget is not None and ratio is not None:
+        raise HarnessError(f"method.budget={budget} and method.ratio={ratio} are exclusive: give one (method.budget: tokens kept "
+                           "per head per layer; method.ratio: the fraction of the prompt kept; e.g. method.budget=null method.ratio=0.25)")
+    if budget is None and ratio is None:
+        raise HarnessError(f"method {name} needs method.budget (tokens kept per head per layer) or method.ratio "
+                           "(the fraction of the prompt kept, in (0, 1])")
+    if ratio is not None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < float(ratio) <= 1:
+            raise HarnessError(f"method.ratio={ratio!r} must be a number in (0, 1]: the fraction of the prompt kept per head per layer")
+
+
+# ---------------------------------------------------------------------------------------- tag resolvers
+
+
+def _number(value) -> str:
+    return format(float(value), "g") if isinstance(value, float) else str(value)
+
+
+def budget_default(tokens, ratio):
+    """`${kv.budget:1024,${.ratio}}`: the default budget in tokens, or None once a ratio is given."""
+    return None if ratio is not None else tokens
+
+
+def budget_tag(budget, ratio) -> str:
+    """`c1024` (tokens), `r0.25` (ratio); both or neither are refused by build_method, tagged as they are."""
+    parts = []
+    if budget is not None:
+        parts.append(f"c{_plain(budget)}")
+    if ratio is not None:
+        parts.append(f"r{_number(ratio)}")
+    return "_".join(parts) or "cnone"
+
+
+def half(budget):
+    """`${kv.half:${.budget}}`: half the budget (the smallest, for per-layer budgets); None without one
+    (a ratio: the method takes half of the budget it resolves per item)."""
+    budget = _plain(budget)
+    if budget is None:
+        return None
+    if isinstance(budget, list):
+        return min(int(b) for b in budget) // 2 if budget else None
+    return int(budget) // 2
+
+
+def minus(budget, amount):
+    """`${kv.minus:${.budget},4}`: budget - amount; None without a budget."""
+    budget = _plain(budget)
+    if budget is None:
+        return None
+    if isinstance(budget, list):
+        return min(int(b) for b in budget) - int(amount) if budget else None
+    return int(budget) - int(amount)
+
+
+def window_tag(window) -> str:
+    return "whalf" if window is None else f"w{window}"
+
+
+def streamingllm_rule(variant, sink_tokens, window) -> str:
+    """The part of a StreamingLLM tag that says which rule ran: `s4` (the paper: sinks + recent) or
+    `kvcf_w8` (KVCache-Factory: the first C - W positions + the last W)."""
+    if variant == "kvcache_factory":
+        return f"kvcf_{window_tag(window)}"
+    if variant == "paper":
+        return f"s{sink_tokens}"
+    return f"{variant}_s{sink_tokens}_{window_tag(window)}"
+
+
+RESOLVERS = {
+    "kv.budget": budget_default,
+    "kv.budget_tag": budget_tag,
+    "kv.half": half,
+    "kv.minus": minus,
+    "kv.window_tag": window_tag,
+    "kv.streamingllm_rule": streamingllm_rule,
+}
+
+
+def register_resolvers() -> None:
+    for name, fn in RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
+register_resolvers()

@@ -18,7 +18,6 @@ from harness.errors import HarnessError
 from harness.methods import METHODS, compression
 from harness.methods.h2o import H2O, accumulated_attention
 from harness.methods.pyramidkv import PyramidKV, pyramid_selected_counts
-from harness.methods.snapkv import snapkv_compress
 from harness.methods.streamingllm import StreamingLLM
 
 
@@ -40,34 +39,57 @@ def kept_positions(states: torch.Tensor) -> list[list[list[int]]]:
 # ---------------------------------------------------------------- StreamingLLM
 
 
-@pytest.mark.parametrize("gqa", ["expand", "mean", "max"])
-@pytest.mark.parametrize("window_size", [0, 5])
-def test_streamingllm_keeps_sinks_and_recent(gqa, window_size):
-    b, hq, hkv, length, budget, sinks = 2, 4, 2, 50, 16, 4
-    method = StreamingLLM(budget=budget, sink_tokens=sinks, window_size=window_size, gqa=gqa)
-    method.validate(num_layers=1, max_positions=0)
-    assert method.query_window == 0
-    keys = position_states(b, hkv, length)
-    values = position_states(b, hkv, length)
+def _streamingllm_kept(method, b=2, hq=4, hkv=2, length=50):
+    keys, values = position_states(b, hkv, length), position_states(b, hkv, length)
     queries = torch.randn(b, hq, 0, 4)  # what the engine passes when query_window == 0
     new_keys, new_values = method.compress(0, 1, queries, keys, values)
-    heads = hq if gqa == "expand" else hkv
-    assert new_keys.shape == (b, heads, budget, 4) and new_values.shape == (b, heads, budget, 4)
-    expected = list(range(sinks)) + list(range(length - (budget - sinks), length))
-    assert kept_positions(new_keys) == [[expected] * heads] * b
-    assert kept_positions(new_values) == [[expected] * heads] * b
+    heads = hq if method.gqa == "expand" else hkv
+    assert new_keys.shape[:2] == new_values.shape[:2] == (b, heads)
+    assert kept_positions(new_keys) == kept_positions(new_values)
+    return kept_positions(new_keys), heads, b
+
+
+@pytest.mark.parametrize("gqa", ["expand", "mean", "max"])
+@pytest.mark.parametrize("window_size", [0, 5])
+def test_streamingllm_paper_rule_keeps_sinks_and_recent(gqa, window_size):
+    """The StreamingLLM paper's rule: the first 4 positions (sinks) + the last budget - 4, whatever the window."""
+    method = StreamingLLM(budget=16, sink_tokens=4, window_size=window_size, gqa=gqa)
+    method.validate(num_layers=1, max_positions=0)
+    assert method.query_window == 0 and method.variant == "paper"
+    kept, heads, b = _streamingllm_kept(method)
+    # by hand: prompt 50, budget 16 -> sinks 0, 1, 2, 3 and the 12 most recent positions 38 .. 49
+    assert kept == [[[0, 1, 2, 3, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]] * heads] * b
+
+
+@pytest.mark.parametrize("gqa", ["expand", "mean"])
+@pytest.mark.parametrize("window_size,expected", [
+    (8, list(range(0, 8)) + list(range(42, 50))),   # W = 8: the first C - W = 8 positions + the last 8
+    (12, list(range(0, 4)) + list(range(38, 50))),  # W = C - 4 (run_longbench.py): = the paper's 4 sinks + 12 recent
+    (1, list(range(0, 15)) + [49]),                 # W = 1: the first 15 + the last one
+])
+def test_streamingllm_kvcache_factory_rule(gqa, window_size, expected):
+    """KVCache-Factory's StreamingLLMKVCluster: indices range(C - W) of the prompt, then its last W positions."""
+    method = StreamingLLM(budget=16, window_size=window_size, gqa=gqa, variant="kvcache_factory")
+    method.validate(num_layers=1, max_positions=0)
+    kept, heads, b = _streamingllm_kept(method)
+    assert kept == [[expected] * heads] * b
+
+
+def test_streamingllm_defaults_to_one_selection_per_kv_head():
+    assert StreamingLLM().gqa == "mean" and StreamingLLM().variant == "paper"
+    _, heads, _ = _streamingllm_kept(StreamingLLM(budget=16))
+    assert heads == 2  # the KV heads, not the 4 query heads
 
 
 def test_streamingllm_short_prompt_and_options():
     method = StreamingLLM(budget=64, gqa="mean")
     keys = position_states(1, 2, 30)
     assert method.compress(0, 1, torch.randn(1, 4, 0, 4), keys, keys)[0] is keys
-    with pytest.raises(HarnessError):
-        StreamingLLM(budget=4, sink_tokens=4).validate(1, 0)
-    with pytest.raises(HarnessError):
-        StreamingLLM(budget=16, sink_tokens=4, window_size=13).validate(1, 0)
-    with pytest.raises(HarnessError):
-        StreamingLLM(budget=16, sink_tokens=-1).validate(1, 0)
+    for bad in (dict(budget=4, sink_tokens=4), dict(budget=16, sink_tokens=4, window_size=13), dict(budget=16, sink_tokens=-1),
+                dict(budget=16, variant="sliding"), dict(budget=16, window_size=16, variant="kvcache_factory")):
+        with pytest.raises(HarnessError):
+            StreamingLLM(**bad).validate(1, 0)
+    StreamingLLM(budget=16, sink_tokens=99, window_size=12, variant="kvcache_factory").validate(1, 0)  # sinks unused there
 
 
 # ---------------------------------------------------------------- H2O
@@ -114,7 +136,7 @@ def test_h2o_keeps_the_heavy_hitters(gqa):
     values = keys.clone()
     method = H2O(budget=len(heavy[0]) + window, window_size=window, block_size=16, gqa=gqa)
     method.validate(1, 0)
-    assert method.query_window is None
+    assert method.needs_column_sums and method.query_window == 0  # all queries count, through column sums
     new_keys, _ = method.compress(0, 1, queries, keys, values)
     window_pos = list(range(length - window, length))
     per_kv = [sorted(heavy[h] + window_pos) for h in range(hkv)]
@@ -213,23 +235,60 @@ def test_pyramidkv_rejects_bad_settings():
         PyramidKV(budget=9000).validate(32, 8192)
 
 
+def reference_window_votes(queries, keys, window, kernel):
+    """SnapKV's votes computed here, independently of harness code: per query head, the softmax attention of
+    the last `window` queries (causal inside the window) summed over those queries, for the positions before
+    the window, then max-pooled (kernel, stride 1, padding kernel // 2). (B, Hq, L - window), float64."""
+    q, k = queries.double(), keys.double()
+    b, hq, w, d = q.shape
+    length = k.shape[2]
+    groups = hq // k.shape[1]
+    out = torch.zeros(b, hq, length - window, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(hq):
+            logits = q[bi, h, -window:] @ k[bi, h // groups].T / math.sqrt(d)  # (window, L)
+            for i in range(window):
+                logits[i, length - window + i + 1:] = float("-inf")  # query i cannot see the window after it
+            votes = torch.softmax(logits, dim=-1).sum(dim=0)[: length - window]
+            padded = F.pad(votes, (kernel // 2, kernel // 2), value=float("-inf"))
+            out[bi, h] = torch.stack([padded[j: j + kernel].max() for j in range(length - window)])
+    return out
+
+
+def assert_valid_top(kept: list[int], scores: torch.Tensor, n_keep: int, window: int, length: int):
+    """`kept` is the last `window` positions plus some top-`n_keep` set of `scores` (ties at the cut allowed)."""
+    prefix = [p for p in kept if p < length - window]
+    assert sorted(kept) == kept and [p for p in kept if p >= length - window] == list(range(length - window, length))
+    assert len(prefix) == n_keep == len(set(prefix))
+    dropped = [p for p in range(length - window) if p not in set(prefix)]
+    lowest_kept, highest_dropped = min(float(scores[p]) for p in prefix), max(float(scores[p]) for p in dropped)
+    assert lowest_kept >= highest_dropped - 1e-6 * max(1.0, abs(highest_dropped)), (lowest_kept, highest_dropped)
+
+
 @pytest.mark.parametrize("gqa", ["expand", "mean"])
-def test_pyramidkv_layer_selection_is_snapkv_with_the_layer_budget(gqa):
+def test_pyramidkv_layer_selection_against_an_independent_reference(gqa):
+    """Every layer keeps its schedule's budget, chosen by SnapKV's votes as computed in this test (no harness
+    scoring code): the window plus a top set of the pooled votes (per query head; averaged over a KV head's
+    query heads with gqa=mean)."""
     torch.manual_seed(0)
     method = PyramidKV(budget=24, window_size=4, kernel_size=3, beta=4, gqa=gqa)
-    num_layers, length = 3, 120
+    num_layers, length, window = 3, 120, 4
     budgets = method.budgets(num_layers)
     assert budgets == [39, 24, 9]  # P = 20: top 5, bottom 35 -> 35, 20, 5 + window
     queries = torch.randn(1, 4, method.query_window, 8)
     keys, values = position_states(1, 2, length, 8), position_states(1, 2, length, 8)
+    keys[..., 1:] = torch.randn(1, 2, length, 7) * 2  # content beyond the position marker, so votes differ
+    votes = reference_window_votes(queries, keys, window, kernel=3)  # (1, 4, L - W)
+    if gqa == "mean":
+        votes = votes.view(1, 2, 2, -1).mean(dim=2)
     for layer in range(num_layers):
         k, v = method.compress(layer, num_layers, queries, keys, values)
         heads = 4 if gqa == "expand" else 2
         assert k.shape == v.shape == (1, heads, budgets[layer], 8)
-        if gqa == "expand":
-            want_k, _ = snapkv_compress(queries, keys, values, window_size=4, max_capacity_prompt=budgets[layer],
-                                        kernel_size=3, pooling="maxpool")
-            assert torch.equal(k, want_k)
+        kept = kept_positions(k)[0]
+        assert kept == kept_positions(v)[0]
+        for h in range(heads):
+            assert_valid_top(kept[h], votes[0, h], budgets[layer] - window, window, length)
 
 
 def test_pyramidkv_end_to_end():
@@ -295,9 +354,12 @@ def test_every_method_on_tiny_models(name, family, attn):
         lengths = [tuple(gen.cache.layers[i].keys.shape[1:3]) for i in range(num_layers)]
         assert lengths == [(heads, b + NEW_TOKENS - 1) for b in budgets]
 
-    # budget == prompt length: compressing keeps every position, so decoding is the uncompressed one
-    method = build(name, budget=PROMPT_LENGTH)
+    # budget == prompt length: the selection runs on every layer (with gqa=expand it rebuilds each layer's cache
+    # with the query heads) and keeps every position, so decoding is the uncompressed one
+    method = build(name, budget=PROMPT_LENGTH, gqa="expand")
     method.validate(num_layers, model.config.max_position_embeddings)
-    with compression(model, method):
-        gen = greedy_generate(model, prompt(), max_new_tokens=NEW_TOKENS)
+    with compression(model, method) as state:
+        gen = greedy_generate(model, prompt(), max_new_tokens=NEW_TOKENS, keep_cache=True)
+    assert [state.after[i] for i in range(num_layers)] == [(hq, PROMPT_LENGTH)] * num_layers, name  # compression ran
+    assert [gen.cache.layers[i].keys.shape[1] for i in range(num_layers)] == [hq] * num_layers
     assert gen.tokens[0] == uncompressed_tokens(family, attn), name
