@@ -93,8 +93,14 @@ def test_override_values(value, text):
 @pytest.mark.parametrize("shared", ["method.budget=64", "method.window_size=4", "method.budget=null method.ratio=0.5"])
 def test_a_shared_override_composes_for_every_method(sweep, shared):
     """`-m method=a,b <shared>`: every job composes and builds (issue 11 item 4)."""
+    from harness.methods.h2o import H2O
+
     for name in sweep:
         cfg = compose(*TINY, f"method={name}", *shared.split())
+        if name == "h2o" and "ratio" in shared and not getattr(H2O, "WINDOW_FROM_BUDGET", False):
+            with pytest.raises(HarnessError, match="window_size is null"):  # see the next test
+                build_method(cfg.method)
+            continue
         method = build_method(cfg.method)
         assert str(cfg.method.tag)
         if name == "full":
@@ -139,6 +145,21 @@ def test_budget_and_ratio_are_exclusive():
         build_method(compose(*TINY, "method=snapkv_longbench_c2048", "method.ratio=0.25").method)
     assert build_method(compose(*TINY, "method=snapkv", "method.ratio=0.25").method).ratio == 0.25
     build_method(compose(*TINY, "method=full", "method.budget=512", "method.ratio=0.25").method)  # full: no-ops
+
+
+def test_h2o_with_a_ratio_takes_half_of_the_resolved_budget_as_window():
+    from harness.methods.h2o import H2O
+
+    cfg = compose(*TINY, "method=h2o", "method.ratio=0.2")
+    assert cfg.method.window_size is None
+    if not getattr(H2O, "WINDOW_FROM_BUDGET", False):
+        with pytest.raises(HarnessError, match=r"^method h2o: method\.window_size is null .* give method\.window_size=<tokens>"):
+            build_method(cfg.method)
+        return
+    method = build_method(cfg.method)
+    method.validate(2, 4096)
+    resolved = method.resolve(1000)
+    assert resolved.budget == 200 and resolved.window_size == 100
 
 
 def test_modern_streamingllm_is_kvcache_factorys_setting():

@@ -59,6 +59,12 @@ def build_method(cfg):
             del options[key]
     if "budget" in known and "budget" not in noop_options(name):
         check_budget_or_ratio(options.get("budget"), options.get("ratio"), name)
+    if ("window_size" in known and "window_size" in options and options["window_size"] is None
+            and "window_size" not in noop_options(name) and not getattr(cls, "WINDOW_FROM_BUDGET", False)):
+        # conf/method/h2o.yaml: window_size = budget / 2, null with a ratio (half of the budget resolved per item);
+        # a method takes that only if it says so (WINDOW_FROM_BUDGET)
+        raise HarnessError(f"method {name}: method.window_size is null (half of a budget resolved per item) and this method "
+                           "needs it in tokens: give method.window_size=<tokens>")
     return cls.from_config(options)
 
 
