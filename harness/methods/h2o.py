@@ -32,7 +32,7 @@ GQA: queries keep their own heads; keys are shared by their query group without 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -86,9 +86,24 @@ class H2O(ScoredMethod):
     gqa: str = "expand"
     ratio: float | None = None
     needs_column_sums = True  # the engine accumulates them chunk by chunk during the prefill
+    # With a ratio the budget is known per item only: a null window_size is then half of it (H2O's
+    # equal heavy-hitter / recent split), resolved with the budget.
+    WINDOW_FROM_BUDGET = True
+
+    def resolve(self, length):
+        resolved = super().resolve(length) if self.window_size is not None else replace(
+            self, window_size=0).resolve(length)
+        if self.window_size is None:
+            resolved = replace(resolved, window_size=int(resolved.budget) // 2)
+        return resolved
 
     def validate(self, num_layers, max_positions):
-        super().validate(num_layers, max_positions)
+        if self.window_size is None:
+            require(self.ratio is not None, "method h2o: method.window_size is null; give method.window_size=<tokens> "
+                                            "(null means half the budget only with method.ratio)")
+            replace(self, window_size=0).validate(num_layers, max_positions)
+        else:
+            super().validate(num_layers, max_positions)
         require(self.block_size > 0, f"method.block_size={self.block_size} must be > 0")
 
     def scores(self, keys, stats):
