@@ -5,6 +5,7 @@
     python scripts/reproduce_paper.py --dry-run             # every run, its overrides and run directory; no model
     python scripts/reproduce_paper.py --only needle,speed --launcher submitit_slurm
     python scripts/reproduce_paper.py --only modern         # Llama-3.1 / Qwen2.5 x 5 methods x budgets 128, 2048
+    python scripts/reproduce_paper.py --only observation,lines   # Figures 2-5 (hit rates) and 8 (pooling ablation)
     python scripts/reproduce_paper.py --smoke               # the whole plan in miniature on a CPU (a few minutes)
 
 Each part is one or more Hydra experiments (conf/experiment/*.yaml), each run as a multirun
@@ -57,6 +58,11 @@ PARTS: dict[str, Part] = {
                    "StreamingLLM, H2O} x budgets 128, 2048",
                    ("modern_full", "modern_snapkv", "modern_pyramidkv", "modern_streamingllm", "modern_h2o"),
                    "one 40-80 GB GPU (Llama-3.1 is gated: HF_TOKEN)", longbench=True),
+    "observation": Part("SnapKV Figures 2-5: observation-window hit rates, Mistral-7B-Instruct-v0.2, full cache, LongBench "
+                        "qmsum (stand-in for QMSum) + needle haystack with 3 questions, instruction at the end and beginning",
+                        ("paper_observation",), "one 24-80 GB GPU", longbench=True),
+    "lines": Part("SnapKV Figure 8: LongEval-Lines pooling ablation, Mistral-7B-Instruct-v0.2, SnapKV W=16 max pooling k=5 "
+                  "vs none, 5K-30K tokens x 11 positions", ("paper_lines",), "one 40-80 GB GPU"),
 }
 DEFAULT_PARTS = ("longbench", "needle", "speed")
 SMOKE_PARTS: dict[str, Part] = {
@@ -64,6 +70,8 @@ SMOKE_PARTS: dict[str, Part] = {
                       "CPU", longbench=True),
     "needle": Part("smoke needle: SmolLM2-135M, 2 lengths x 1 depth, full/SnapKV", ("smoke_needle",), "CPU"),
     "speed": Part("smoke speed + maximum length: tiny-random, batch 2, full/SnapKV C=128", ("smoke_speed", "smoke_maxlen"), "CPU"),
+    "observation": Part("smoke observation: SmolLM2-135M, windows of 16, haystack + fixture qmsum", ("smoke_observation",), "CPU"),
+    "lines": Part("smoke lines: SmolLM2-135M, 2 lengths x 2 positions, SnapKV C=128 max pooling k=5 vs none", ("smoke_lines",), "CPU"),
 }
 LAUNCHERS = ("basic", "joblib", "submitit_local", "submitit_slurm")
 
@@ -205,6 +213,17 @@ def describe(config: dict) -> str:
         bits += [f"method={method.get('tag')}", "task=needle",
                  f"lengths={len(lengths)} ({min(lengths)}..{max(lengths)})" if lengths else "lengths=?",
                  f"depths={task.get('depths')}", f"prompt_style={task.get('prompt_style')}"]
+    elif name == "observation":
+        p = task
+        bits += ["task=observation", f"source={p.get('source')}" + (f":{p.get('dataset')}" if p.get("source") == "longbench" else ""),
+                 f"windows={p.get('prompt_windows')}x{p.get('window_tokens')}",
+                 f"generation={p.get('generation_windows')}x{p.get('generation_window_tokens')}",
+                 f"theta={p.get('theta')}", f"p={p.get('rate')}", f"positions={p.get('positions')}"]
+    elif name == "lines":
+        lengths = task.get("lengths") or []
+        bits += [f"method={method.get('tag')}", "task=lines",
+                 f"lengths={len(lengths)} ({min(lengths)}..{max(lengths)})" if lengths else "lengths=?",
+                 f"positions={task.get('positions')}", f"samples={task.get('samples')}"]
     elif name == "bench":
         labels = [m.get("label") for m in task.get("methods") or []]
         bits += ["task=bench", f"methods={','.join(map(str, labels))}", f"batch={task.get('batch_size')}",
@@ -287,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     args, parser = parse_args(argv)
     parts = SMOKE_PARTS if args.smoke else PARTS
     wanted: list[str] = []
-    for item in args.only or [",".join(DEFAULT_PARTS if not args.smoke else SMOKE_PARTS)]:
+    # --smoke without --only: the miniature of the default plan (the other smoke parts run with --only)
+    for item in args.only or [",".join(DEFAULT_PARTS if not args.smoke else [p for p in SMOKE_PARTS if p in DEFAULT_PARTS])]:
         for name in filter(None, (s.strip() for s in item.split(","))):
             names = list(parts) if name == "all" else [name]
             for n in names:

@@ -8,6 +8,8 @@ TASKS = {
     "bench": "harness.tasks.bench",
     "longbench": "harness.tasks.longbench",
     "longbench_e": "harness.tasks.longbench",
+    "observation": "harness.tasks.observation",
+    "lines": "harness.tasks.lines",
 }
 
 

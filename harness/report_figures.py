@@ -1,0 +1,323 @@
+"""Figures and report sections of the observation experiments (SnapKV Figures 2-5) and LongEval-Lines
+(the pooling ablation, Figure 8).
+
+The task runners call `observation_figures` / `lines_heatmap` for each run directory; `harness.report`
+calls `report_sections(runs, out)` (or `observation_section` / `lines_section` one by one), which
+redraw the figures from each run's results.json (no torch, no model) and write `observation.md|csv`,
+`observation/`, `lines.md|csv`, `lines/` into the table set. Each section owns those names only and
+removes them before writing.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import shutil
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless, deterministic
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from harness.plots import NEEDLE_CMAP  # noqa: E402
+
+OBS_FILES = ("observation.md", "observation.csv")
+LINES_FILES = ("lines.md", "lines.csv")
+
+
+# ------------------------------------------------------------------------------------------ figures
+
+def _layer_lines(ax, arrays: list, xs: list, chance: float | None) -> None:
+    """One line per layer (colour = depth), x = window index: the paper's layout."""
+    n = len(arrays)
+    cmap = plt.get_cmap("viridis")
+    for i, row in enumerate(arrays):
+        if not row:
+            continue
+        pts = [(x, y) for x, y in zip(xs, row) if y is not None]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], color=cmap(i / max(1, n - 1)), lw=1.1, alpha=0.9)
+    if chance is not None:
+        ax.axhline(chance, color="gray", ls=":", lw=1, label=f"random selection ({chance:.3f})")
+        ax.legend(fontsize=7, loc="lower right")
+    sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, max(1, n - 1)))
+    ax.figure.colorbar(sm, ax=ax, label="layer")
+    ax.set_ylim(0, 1.02)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.grid(alpha=0.3)
+
+
+def observation_figures(summary: dict, folder: Path, *, title: str) -> list[Path]:
+    """observation_fig2..5.png in `folder` from a run's summary; returns the paths written."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    p = summary.get("parameters") or {}
+    chance = summary.get("chance")
+    written = []
+    fig2 = summary.get("fig2_hit_rate")
+    if fig2 and any(fig2):
+        n = len(next(r for r in fig2 if r))
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        _layer_lines(ax, fig2, list(range(1, n + 1)), chance)
+        ax.set_xlabel(f"prompt window (of {p.get('window_tokens')} tokens; {n} = last, just before generation)")
+        ax.set_ylabel("hit rate")
+        ax.set_title(f"{title}\nFig. 2: each prompt window's selection vs what generation attends to", fontsize=9)
+        written.append(_save(fig, folder / "observation_fig2.png"))
+    fig3 = summary.get("fig3_hit_rate")
+    if fig3 and any(fig3):
+        m = len(next(r for r in fig3 if r))
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        _layer_lines(ax, fig3, list(range(1, m + 1)), chance)
+        ax.set_xticks(range(1, m + 1))
+        ax.set_xlabel(f"generation window (of {p.get('generation_window_tokens')} generated tokens)")
+        ax.set_ylabel("hit rate")
+        ax.set_title(f"{title}\nFig. 3: generation windows vs the last prompt window's selection", fontsize=9)
+        written.append(_save(fig, folder / "observation_fig3.png"))
+    fig4 = summary.get("fig4_hit_rate")
+    if fig4:
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        layers = list(range(len(fig4)))
+        for name, arr in sorted((summary.get("fig4_pairs") or {}).items()):
+            ax.plot(layers, [None if v is None else v for v in arr], lw=0.8, alpha=0.6, label=f"pair {name}")
+        ax.plot(layers, fig4, color="black", lw=2, label="mean (last prompt windows)")
+        gen = summary.get("fig4_generation_hit_rate")
+        if gen:
+            ax.plot(layers, gen, color="black", lw=1.5, ls="--", label="mean (whole responses)")
+        if chance is not None:
+            ax.axhline(chance, color="gray", ls=":", lw=1, label="random selection")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("hit rate between selections")
+        ax.set_title(f"{title}\nFig. 4: same document, different instructions", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        written.append(_save(fig, folder / "observation_fig4.png"))
+    fig5 = summary.get("fig5_hit_rate") or {}
+    if fig5:
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+        for pos, arr in fig5.items():
+            ax.plot(range(len(arr)), arr, marker="o", ms=3, label=f"instruction at the {'end' if pos == 'end' else 'beginning'}")
+        if chance is not None:
+            ax.axhline(chance, color="gray", ls=":", lw=1, label="random selection")
+        ax.set_ylim(0, 1.02)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("hit rate (last prompt window)")
+        ax.set_title(f"{title}\nFig. 5: instruction position", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        written.append(_save(fig, folder / "observation_fig5.png"))
+    return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def lines_grid(rows: list[dict]) -> tuple[list[int], list[float], list[list[float]]]:
+    """(lengths, positions, mean score per [position][length]) averaged over samples; NaN where absent."""
+    lengths = sorted({int(r["length"]) for r in rows})
+    positions = sorted({float(r["position"]) for r in rows})
+    sums: dict[tuple, list[float]] = {}
+    for r in rows:
+        sums.setdefault((float(r["position"]), int(r["length"])), []).append(float(r["score"]))
+    grid = [[(sum(sums[(d, n)]) / len(sums[(d, n)])) if (d, n) in sums else float("nan") for n in lengths] for d in positions]
+    return lengths, positions, grid
+
+
+def lines_heatmap(rows: list[dict], path: Path, *, title: str) -> Path | None:
+    """Ground-truth position x prompt length, exact-match accuracy, the needle heatmap's colours."""
+    if not rows:
+        return None
+    lengths, positions, grid = lines_grid(rows)
+    mean = sum(float(r["score"]) for r in rows) / len(rows)
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(lengths) + 3), max(3.5, 0.4 * len(positions) + 2)))
+    im = ax.imshow(grid, cmap=NEEDLE_CMAP, vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45 if len(lengths) > 8 else 0)
+    ax.set_yticks(range(len(positions)), [f"{d:g}" for d in positions])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("ground-truth line position (%)")
+    ax.set_title(f"{title}\nLongEval-Lines exact match {mean:.3f} over {len(rows)} record(s)", fontsize=10)
+    if len(lengths) * len(positions) <= 150:
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if v == v:
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="black")
+    fig.colorbar(im, ax=ax, label="exact match")
+    return _save(fig, Path(path))
+
+
+# ------------------------------------------------------------------------------------------ report sections
+
+def _fmt(v, digits: int = 3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    if isinstance(v, (list, tuple)):
+        return "–".join(_fmt(x, digits) for x in v)
+    return str(v)
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _write_csv(path: Path, rows: list[dict], fields: list[str]) -> None:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: "" if r.get(k) is None else r.get(k) for k in fields})
+    path.write_text(buf.getvalue(), encoding="utf-8")
+
+
+def _safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(text))
+
+
+def _clean(out: Path, files: tuple[str, ...], folder: str) -> None:
+    for name in files:
+        if (out / name).is_file():
+            (out / name).unlink()
+    if (out / folder).is_dir():
+        shutil.rmtree(out / folder)
+
+
+def _complete(run) -> bool:
+    s = run.data.get("summary") or {}
+    return (s.get("status") or run.data.get("status") or "complete") in ("complete", "items_failed")
+
+
+def observation_section(runs, out: Path) -> str:
+    """observation.md|csv and observation/<run>/observation_fig*.png for every task=observation run; the
+    Markdown (empty when there is none)."""
+    out = Path(out)
+    _clean(out, OBS_FILES, "observation")
+    rows = []
+    for run in runs:
+        if run.task != "observation" or not _complete(run):
+            continue
+        s = run.data.get("summary") or {}
+        p = s.get("parameters") or {}
+        task = (run.data.get("config") or {}).get("task") or {}
+        folder = out / "observation" / _safe(run.rel)
+        figs = observation_figures(s, folder, title=f"{run.model.get('name', '?')} · {task.get('source')}")
+        fig5 = s.get("fig5_mean") or {}
+        rows.append({
+            "model": run.model.get("name"), "source": str(task.get("source")) + (f":{task.get('dataset')}" if task.get("source") == "longbench" else ""),
+            "preset": task.get("preset"), "window_tokens": p.get("window_tokens"), "prompt_windows": p.get("prompt_windows"),
+            "generation": f"{p.get('generation_windows')}x{p.get('generation_window_tokens')}", "theta": p.get("theta"),
+            "rate_p": p.get("rate_p"), "layers": s.get("layers"), "documents": s.get("documents"), "prompts": s.get("prompts"),
+            "last_window_mean": s.get("last_window_mean"), "first_window_mean": s.get("first_window_mean"),
+            "last_window_min": (s.get("last_window_range") or [None, None])[0],
+            "last_window_max": (s.get("last_window_range") or [None, None])[1],
+            "layers_best_at_last": s.get("layers_best_at_last_window"), "fig3_mean": s.get("fig3_mean"),
+            "fig4_mean": s.get("fig4_mean"), "fig4_generation_mean": s.get("fig4_generation_mean"),
+            "fig5_end": fig5.get("end"), "fig5_begin": fig5.get("begin"), "chance": s.get("chance"),
+            "device": run.device, "figures": " ".join(str(f.relative_to(out)) for f in figs), "run": run.rel,
+        })
+        run.used_in.append("observation")
+    if not rows:
+        return ""
+    fields = list(rows[0])
+    _write_csv(out / "observation.csv", rows, fields)
+    headers = ["Model", "Source", "w / N / G", "θ / p", "Prompts", "Last window", "First window", "Last, layer range",
+               "Layers best at last", "Fig. 3", "Fig. 4 (windows / responses)", "Fig. 5 (end / begin)", "Random"]
+    body = [[r["model"], r["source"], f"{r['window_tokens']} / {r['prompt_windows']} / {r['generation']}",
+             f"{r['theta']} / {r['rate_p']}", r["prompts"], _fmt(r["last_window_mean"]), _fmt(r["first_window_mean"]),
+             f"{_fmt(r['last_window_min'])}–{_fmt(r['last_window_max'])}", f"{r['layers_best_at_last']} of {r['layers']}",
+             _fmt(r["fig3_mean"]), f"{_fmt(r['fig4_mean'])} / {_fmt(r['fig4_generation_mean'])}",
+             f"{_fmt(r['fig5_end'])} / {_fmt(r['fig5_begin'])}", _fmt(r["chance"])] for r in rows]
+    lines = ["## Observation experiments (SnapKV Figures 2-5)", "", _table(headers, body), "",
+             "- Hit rate (the paper's Eq. 8): of the prefix positions a generated query attends to above θ, the share a "
+             "window's top-p selection holds; means over layers, generated queries and prompts (per-layer arrays in "
+             "results.json and the figures). Random: the expected hit rate of a random selection of the same size.",
+             "- Last / first window: Fig. 2's hit rate of the last prompt window (just before generation) and of the "
+             "earliest of the N; layers best at last: layers whose best window is the last. Fig. 3: generation windows "
+             "vs the last prompt window. Fig. 4: overlap of the selections of different instructions on the same "
+             "document. Fig. 5: the last window's hit rate with the instruction at the end / the beginning.", ""]
+    for r in rows:
+        lines.append(f"- `{r['run']}`: " + ", ".join(f"![{Path(f).stem}]({f})" for f in r["figures"].split()))
+    md = "\n".join(lines) + "\n"
+    (out / "observation.md").write_text(md, encoding="utf-8")
+    return md
+
+
+def _lines_setting(method: dict) -> str:
+    name = method.get("name", "?")
+    if name == "full":
+        return "All KV"
+    if name == "snapkv":
+        k = method.get("kernel_size")
+        pool = "no pooling" if k == 1 else f"{method.get('pooling')} k{k}"
+        return f"SnapKV {method.get('budget')} (W{method.get('window_size')}, {pool})"
+    return f"{name} {method.get('budget', '')}".strip()
+
+
+def lines_section(runs, out: Path) -> str:
+    """lines.md|csv and lines/<run>.png for every task=lines run, with the pooling ablation (SnapKV runs that
+    differ only in kernel_size 1 vs more) side by side; the Markdown (empty when there is none)."""
+    out = Path(out)
+    _clean(out, LINES_FILES, "lines")
+    rows = []
+    for run in runs:
+        if run.task != "lines" or not _complete(run):
+            continue
+        cells = [r for r in (run.data.get("rows") or []) if "length" in r and "score" in r]
+        if not cells:
+            continue
+        s = run.data.get("summary") or {}
+        method = run.data.get("method") or {}
+        (out / "lines").mkdir(parents=True, exist_ok=True)
+        setting = _lines_setting(method)
+        png = lines_heatmap(cells, out / "lines" / f"{_safe(run.rel)}.png", title=f"{run.model.get('name', '?')} · {setting}")
+        lengths = sorted({int(c["length"]) for c in cells})
+        rows.append({"model": run.model.get("name"), "setting": setting, "method_tag": run.data.get("method_tag"),
+                     "kernel_size": method.get("kernel_size"), "cells": len(cells), "accuracy": s.get("accuracy"),
+                     "contains_rate": s.get("contains_rate"), "lengths": f"{lengths[0]}-{lengths[-1]}",
+                     "by_length": s.get("by_length"), "device": run.device,
+                     "heatmap": str(png.relative_to(out)) if png else None, "run": run.rel, "_method": method})
+        run.used_in.append("lines")
+    if not rows:
+        return ""
+    _write_csv(out / "lines.csv", rows, ["model", "setting", "method_tag", "kernel_size", "cells", "accuracy", "contains_rate",
+                                         "lengths", "device", "heatmap", "run"])
+    all_lengths = sorted({int(n) for r in rows for n in (r["by_length"] or {})})
+    headers = ["Model", "Setting", "Records", "Exact match", *[str(n) for n in all_lengths]]
+    body = [[r["model"], r["setting"], r["cells"], _fmt(r["accuracy"]),
+             *[_fmt((r["by_length"] or {}).get(str(n))) for n in all_lengths]] for r in rows]
+    lines = ["## LongEval-Lines (SnapKV Figure 8: pooling ablation)", "", _table(headers, body), "",
+             "- Exact match: the last number of the response equals the asked line's value (LongEval's rule); per prompt "
+             "length in tokens, averaged over ground-truth positions."]
+    ablation = []
+    for a in rows:
+        ma = a["_method"]
+        if ma.get("name") != "snapkv" or ma.get("kernel_size", 0) <= 1:
+            continue
+        for b in rows:
+            mb = b["_method"]
+            same = {k: v for k, v in ma.items() if k not in ("kernel_size", "tag")} == {k: v for k, v in mb.items() if k not in ("kernel_size", "tag")}
+            if b is not a and mb.get("kernel_size") == 1 and same and a["model"] == b["model"]:
+                ablation.append([a["model"], f"W{ma.get('window_size')} C{ma.get('budget')}", f"{ma.get('pooling')} k{ma.get('kernel_size')}",
+                                 _fmt(a["accuracy"]), _fmt(b["accuracy"]),
+                                 _fmt(None if a["accuracy"] is None or b["accuracy"] is None else round(a["accuracy"] - b["accuracy"], 4))])
+    if ablation:
+        lines += ["", "Pooling ablation (same model and SnapKV settings, kernel > 1 vs kernel 1):", "",
+                  _table(["Model", "SnapKV", "Pooling", "With pooling", "Without", "Difference"], ablation)]
+    lines += [""] + [f"- `{r['run']}`: ![heatmap]({r['heatmap']})" for r in rows if r["heatmap"]]
+    md = "\n".join(lines) + "\n"
+    (out / "lines.md").write_text(md, encoding="utf-8")
+    return md
+
+
+def report_sections(runs, out: Path) -> list[tuple[str, str]]:
+    """[(file name, Markdown)] of the sections that have runs: what harness.report appends to its README."""
+    found = [("observation.md", observation_section(runs, out)), ("lines.md", lines_section(runs, out))]
+    return [(name, md) for name, md in found if md]
