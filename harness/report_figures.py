@@ -299,7 +299,7 @@ def lines_section(runs, out: Path) -> str:
     ablation = []
     for a in rows:
         ma = a["_method"]
-        if ma.get("name") != "snapkv" or ma.get("kernel_size", 0) <= 1:
+        if ma.get("name") != "snapkv" or (ma.get("kernel_size") or 0) <= 1:
             continue
         for b in rows:
             mb = b["_method"]
