@@ -128,6 +128,8 @@ def plan(parts: dict[str, Part], selected: list[str], out: Path, *, models: list
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from harness.app import compose_settings, method_entries, setting_dir  # also registers the kv.* resolvers
+
     experiments: list[Experiment] = []
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
@@ -154,12 +156,17 @@ def plan(parts: dict[str, Part], selected: list[str], out: Path, *, models: list
                 keys = list(params)
                 for values in itertools.product(*(params[k] for k in keys)):
                     sweep = dict(zip(keys, values))
-                    job_cfg = compose(config_name="config", overrides=[*base, *(f"{k}={v}" for k, v in sweep.items())],
-                                      return_hydra_config=True)
-                    run_dir = Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
-                    job = Job(part_name, name, sweep, run_dir, _job_config(job_cfg))
-                    job.state, job.detail = job_state(job)
-                    exp.jobs.append(job)
+                    overrides = [*base, *(f"{k}={v}" for k, v in sweep.items())]
+                    job_cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+                    job_dir = Path(str(job_cfg.hydra.sweep.dir)) / str(job_cfg.hydra.sweep.subdir)
+                    # A job with a `methods` list runs every setting from one prefill per item: one run
+                    # (and run directory) per setting, as the harness writes them.
+                    entries = method_entries(job_cfg, overrides)
+                    settings = [job_cfg] if entries is None else [c for _, c in compose_settings(entries, overrides)]
+                    for setting in settings:
+                        job = Job(part_name, name, sweep, setting_dir(setting, job_dir), _job_config(setting))
+                        job.state, job.detail = job_state(job)
+                        exp.jobs.append(job)
     return experiments
 
 

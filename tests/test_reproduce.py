@@ -123,12 +123,14 @@ def test_dry_run_counts_every_run(tmp_path):
     assert total(proc.stdout) == (23, {"longbench": 20, "needle": 1, "speed": 2})
     assert proc.stdout.count("    TODO ") == 23
     assert f"{tmp_path / 'runs' / 'longbench' / 'mixtral-8x7b-instruct' / 'h2o_c4096_w8_expand'}" in proc.stdout
-    assert "+experiment=paper_longbench model=mistral-7b-instruct-v0.2 method=snapkv_longbench_c4096" in proc.stdout
+    # Table 1: one job per model, its five settings sharing each item's prefill, each in its own run directory
+    assert "overrides: +experiment=paper_longbench model=mistral-7b-instruct-v0.2\n" in proc.stdout
+    assert f"{tmp_path / 'runs' / 'longbench' / 'mistral-7b-instruct-v0.2' / 'snapkv_c4096_w32_k7_maxpool_expand'}" in proc.stdout
     assert "hydra/launcher=basic" in proc.stdout
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
 
     proc = run_script("--dry-run", "--only", "all", "--launcher", "submitit_slurm", "--out", str(tmp_path / "runs"))
-    assert total(proc.stdout) == (41, {"longbench": 20, "needle": 1, "speed": 2, "modern": 18})
+    assert total(proc.stdout) == (45, {"longbench": 20, "needle": 1, "speed": 2, "modern": 18, "observation": 2, "lines": 2})
     assert "hydra/launcher=submitit_slurm" in proc.stdout
     proc = run_script("--dry-run", "--only", "longbench", "--only", "needle", "--models", "mistral-7b-instruct-v0.2",
                       "--out", str(tmp_path / "runs"))

@@ -22,13 +22,61 @@ from omegaconf import OmegaConf
 
 from harness.errors import HarnessError
 
-METHODS: dict[str, type] = {}
+class _Registry(dict):
+    """name -> method class. The method modules (and so torch) are imported on first lookup, so that
+    composing configs and resolving their tags (reproduce_paper.py --dry-run) never loads torch."""
+
+    MODULES = ("full", "h2o", "pyramidkv", "snapkv", "streamingllm")
+    _loaded = False
+
+    def _load(self) -> None:
+        if not _Registry._loaded:
+            _Registry._loaded = True
+            from importlib import import_module
+
+            for module in self.MODULES:
+                import_module(f"harness.methods.{module}")
+
+    def __getitem__(self, key):
+        self._load()
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self._load()
+        return super().__contains__(key)
+
+    def __iter__(self):
+        self._load()
+        return super().__iter__()
+
+    def __len__(self):
+        self._load()
+        return super().__len__()
+
+    def get(self, key, default=None):
+        self._load()
+        return super().get(key, default)
+
+    def keys(self):
+        self._load()
+        return super().keys()
+
+    def items(self):
+        self._load()
+        return super().items()
+
+    def values(self):
+        self._load()
+        return super().values()
+
+
+METHODS: dict[str, type] = _Registry()
 # Options every method config carries (so a shared override applies to any method of a sweep).
 SHARED_OPTIONS = ("budget", "window_size", "ratio")
 
 
 def register(cls):
-    if cls.name in METHODS and METHODS[cls.name] is not cls:
+    if dict.__contains__(METHODS, cls.name) and dict.__getitem__(METHODS, cls.name) is not cls:
         raise ValueError(f"method name {cls.name!r} registered twice")
     METHODS[cls.name] = cls
     return cls

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 
 from harness.errors import require
 from harness.models import LoadedModel
-from harness.tasks.common import generate, run_items
+from harness.tasks.common import Prompt, generate_settings, run_shared_items
 
 log = logging.getLogger(__name__)
 WORDS_DIR = Path(__file__).resolve().parents[1] / "data" / "lines"  # shipped as package data
@@ -147,7 +147,10 @@ def score_record(response: str, expected: int) -> dict:
     return {"score": float(correct), "correct": correct, "parsed": parsed, "contains": int(expected) in numbers}
 
 
-def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = True) -> dict:
+def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
+    """Every cell for every setting (harness.tasks.common.Setting), one prefill per cell: the pooling
+    ablation's two SnapKV settings (and the full cache) decode from the same prefill.
+    Returns {tag: {"summary", "rows", "failures"}}."""
     task = cfg.task
     lengths = [int(n) for n in task.lengths]
     positions = [float(d) for d in task.positions]
@@ -155,33 +158,46 @@ def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = 
     if loaded.max_positions:
         require(max(lengths) + int(task.max_new_tokens) <= loaded.max_positions,
                 f"task.lengths: {max(lengths)} + {task.max_new_tokens} new tokens exceeds {loaded.name}'s {loaded.max_positions} positions")
-    cells_log = run_dir.log(LOG_FILE, key=("length", "position", "sample"))
+    by_tag = {s.tag: s for s in settings}
+    logs = {s.tag: s.run_dir.log(LOG_FILE, key=("length", "position", "sample")) for s in settings}
     tok = loaded.tokenizer
 
-    def work(cell):
+    def work(cell, tags):
         length, position, sample = cell
         ids, info = build_prompt(task, loaded, length, position, sample)
-        gen, kept = generate(loaded, method, ids, max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens))
-        response = tok.decode(gen.tokens[0], skip_special_tokens=True).strip()
-        return {
-            "length": length, "position": position, "sample": sample, "prompt_tokens": len(ids), **info,
-            "response": response, **score_record(response, info["expected"]),
-            "new_tokens": len(gen.tokens[0]), "stopped_by": gen.stopped_by[0],
-            "prefill_seconds": round(gen.prefill_seconds, 4), "decode_seconds": round(gen.decode_seconds, 4), **kept,
-        }
+        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], Prompt(ids),
+                                     max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens))
+        out = {}
+        for tag, o in outcomes.items():
+            if o.error is not None:
+                out[tag] = o.error
+                continue
+            gen = o.generation
+            response = tok.decode(gen.tokens[0], skip_special_tokens=True).strip()
+            out[tag] = {
+                "length": length, "position": position, "sample": sample, "prompt_tokens": len(ids), **info,
+                "response": response, **score_record(response, info["expected"]),
+                "new_tokens": len(gen.tokens[0]), "stopped_by": gen.stopped_by[0],
+                "prefill_seconds": round(gen.prefill_seconds, 4), "decode_seconds": round(gen.decode_seconds, 4),
+                **o.diagnostics,
+            }
+        return out
 
     cells = [(n, d, s) for n in lengths for d in positions for s in samples]
-    log.info("lines: %d lengths x %d positions x %d sample(s)", len(lengths), len(positions), len(samples))
-    outcome = run_items(cells, log_file=cells_log, key=lambda c: c, work=work, desc="lines cells",
-                        failures_path=run_dir.path / "failures.json", progress=progress)
-    rows = [cells_log.records[c] for c in cells if c in cells_log.records]
-    write_csv(run_dir.path / "lines_cells.csv", rows)
-    summary = summarize(rows, lengths, positions)
-    summary["failed_cells"] = len(outcome.failures)
+    log.info("lines: %d lengths x %d positions x %d sample(s), %d setting(s)", len(lengths), len(positions), len(samples), len(settings))
+    outcome = run_shared_items(cells, logs=logs, key=lambda c: c, work=work, desc="lines cells",
+                               failures_paths={s.tag: s.run_dir.path / "failures.json" for s in settings}, progress=progress)
     from harness.report_figures import lines_heatmap
 
-    lines_heatmap(rows, run_dir.path / "lines_heatmap.png", title=f"{loaded.name} · {cfg.method.tag}")
-    return {"summary": summary, "rows": rows, "failures": outcome.failures}
+    results = {}
+    for s in settings:
+        rows = [logs[s.tag].records[c] for c in cells if c in logs[s.tag].records]
+        write_csv(s.run_dir.path / "lines_cells.csv", rows)
+        summary = summarize(rows, lengths, positions)
+        summary["failed_cells"] = len(outcome[s.tag].failures)
+        lines_heatmap(rows, s.run_dir.path / "lines_heatmap.png", title=f"{loaded.name} · {s.tag}")
+        results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
+    return results
 
 
 def summarize(rows: list[dict], lengths: list[int], positions: list[float]) -> dict:

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
 from harness.rundir import write_json, write_text
-from harness.tasks.common import Prompt, Setting, generate_settings, run_shared_items
+from harness.tasks.common import Prompt, generate_settings, run_shared_items
 from harness.tasks.needle import protocol_name, warn_evicted_questions
 from harness.tasks.longbench_data import (
     NO_QUESTION_TASKS,
@@ -122,13 +122,10 @@ def failures_file(run_path: Path, index: int, count: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def run(cfg: DictConfig, loaded: LoadedModel, settings, run_dir=None, progress: bool = True) -> dict:
+def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
     """Every selected item for every setting (harness.tasks.common.Setting), one prefill per item.
 
     Returns {tag: {"summary", "rows", "failures"}}."""
-    single = not isinstance(settings, list)  # the one-method call: run(cfg, loaded, method, run_dir)
-    if single:
-        settings = [Setting(str(cfg.method.tag), settings, cfg, run_dir)]
     task = cfg.task
     plan = make_plan(task)
     budget = loaded.prompt_max_length
@@ -227,7 +224,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, run_dir=None, progress: 
         warn_evicted_questions([r for recs in merged.values() for r in recs], s.tag)
         write_text(s.run_dir.path / TABLE_FILE, markdown_table(summary, loaded.name, s.tag))
         results[s.tag] = {"summary": summary, "rows": rows, "failures": failures[s.tag]}
-    return results[settings[0].tag] if single else results
+    return results
 
 
 # --------------------------------------------------------------------------------------------

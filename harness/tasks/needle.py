@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel, find_package_file
 from harness.tasks.needle_prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
-from harness.tasks.common import Prompt, Setting, generate_settings, run_shared_items
+from harness.tasks.common import Prompt, generate_settings, run_shared_items
 from metrics.needle import score_needle_response
 
 log = logging.getLogger(__name__)
@@ -44,13 +44,10 @@ def haystack_files(task: DictConfig) -> list[Path]:
     return files
 
 
-def run(cfg: DictConfig, loaded: LoadedModel, settings, run_dir=None, progress: bool = True) -> dict:
+def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
     """Every cell of the grid for every setting (harness.tasks.common.Setting), one prefill per cell.
 
     Returns {tag: {"summary", "rows", "failures"}}."""
-    single = not isinstance(settings, list)  # the one-method call: run(cfg, loaded, method, run_dir)
-    if single:
-        settings = [Setting(str(cfg.method.tag), settings, cfg, run_dir)]
     task = cfg.task
     lengths = [int(n) for n in task.lengths]
     depths = [float(d) for d in task.depths]
@@ -126,7 +123,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, run_dir=None, progress: 
             needle_heatmap(rows, s.run_dir.path / "needle_retention.png", title=f"{title}\nneedle tokens kept in the cache",
                            score_key="needle_kept")
         results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
-    return results[settings[0].tag] if single else results
+    return results
 
 
 def protocol_name(query_aware: bool) -> str:
