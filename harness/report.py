@@ -846,6 +846,9 @@ def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_fi
         (out / "claims.md").write_text(c_md, encoding="utf-8")
         sections.append(("claims.md", c_md))
     written["claims"] = c_rows
+    from harness.report_figures import report_sections  # observation figures (2-5) and the lines ablation (8)
+
+    sections += report_sections(runs, out)
 
     run_rows = []
     for run in runs:

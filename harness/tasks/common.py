@@ -164,6 +164,19 @@ def compression_diagnostics(state, method, prompt: Prompt, end: int, cache) -> d
     return out
 
 
+_WARNED_SLIDING: set[str] = set()
+
+
+def _warn_if_nothing_compressible(loaded: LoadedModel, session) -> None:
+    """Once per model and process: every layer has its own sliding window, so no method compressed anything."""
+    for state in session.states.values():
+        layers = state.layers.values()
+        if layers and all(r.reason == "sliding_window" for r in layers) and loaded.name not in _WARNED_SLIDING:
+            _WARNED_SLIDING.add(loaded.name)
+            log.warning("%s: every layer uses a sliding window, which bounds its cache itself; no layer is compressed "
+                        "(results equal the full cache)", loaded.name)
+
+
 def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], prompt: Prompt, *,
                       query_aware: bool = True, chunk_size: int | None = None, **decode) -> dict[str, Outcome]:
     """Greedy generation of one prompt under every (tag, method), from ONE prefill.
@@ -197,6 +210,7 @@ def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], pr
         _sync(device)
         shared_seconds = time.perf_counter() - start
         caches = {tag: session.cache_for(tag, cache) for tag, m in order if m.compresses}
+        _warn_if_nothing_compressible(loaded, session)
         for tag, method in order:
             own = caches.pop(tag) if method.compresses else cache
             try:
@@ -208,7 +222,7 @@ def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], pr
                     _sync(device)
                     rest_seconds = time.perf_counter() - start
                 tokens, steps, stopped = greedy_decode(model, own, first, length, tokenizer=loaded.tokenizer,
-                                                       eos_token_ids=loaded.eos_token_ids, **decode)
+                                                       **{"eos_token_ids": loaded.eos_token_ids, **decode})
                 gen = Generation(tokens=tokens, prompt_length=length, prefill_seconds=shared_seconds + rest_seconds,
                                  step_seconds=steps, stopped_by=stopped)
                 diag["shared_prefill_seconds"] = round(shared_seconds, 4)

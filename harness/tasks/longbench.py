@@ -103,6 +103,11 @@ def make_plan(task: DictConfig) -> Plan:
     return Plan(task.name, names, rows, int(shard.get("index", 0)), int(shard.get("count", 1)), source.origin)
 
 
+def samsum_eos_ids(tokenizer) -> list[int]:
+    """pred.py's EOS list for samsum is [tokenizer.eos_token_id, newline]; the newline is the stop token."""
+    return [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+
+
 def shard_items(n_items: int, index: int, count: int) -> list[int]:
     """Item i of a task goes to shard i % count."""
     return [i for i in range(n_items) if i % count == index]
@@ -150,10 +155,14 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
         rows = plan.rows[name]
         new_tokens = max_new_tokens(name)
         stop_ids = [newline] if name == "samsum" else []
+        # pred.py replaces the EOS list for samsum with [tokenizer.eos_token_id, "\n"]: the model's other
+        # EOS ids (e.g. Llama-3's <|eot_id|> besides <|end_of_text|>) do not stop it there.
+        eos_ids = samsum_eos_ids(tok) if name == "samsum" else loaded.eos_token_ids
         min_new = 1 if (name == "samsum" or guard_all) else 0
         warned = []
 
-        def work(i, tags, name=name, rows=rows, new_tokens=new_tokens, stop_ids=stop_ids, min_new=min_new, warned=warned):
+        def work(i, tags, name=name, rows=rows, new_tokens=new_tokens, stop_ids=stop_ids, min_new=min_new, warned=warned,
+                 eos_ids=eos_ids):
             row = rows[i]
             prompt = build_prompt(name, row, tok, budget, templates)
             text, ids = render(name, prompt.text, loaded)
@@ -165,7 +174,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
             item = Prompt(ids, split, {"question": (split, len(ids))} if split < len(ids) else {})
             outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], item, query_aware=query_aware,
                                          chunk_size=chunk_size, max_new_tokens=new_tokens, stop_token_ids=stop_ids,
-                                         min_new_tokens=min_new)
+                                         min_new_tokens=min_new, eos_token_ids=eos_ids)
             out = {}
             for tag, o in outcomes.items():
                 if o.error is not None:
@@ -207,6 +216,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
 
     rules = describe_rules(plan, loaded, budget, guard_all, newline)
     rules["protocol"] = protocol_name(query_aware)
+    rules["samsum_eos_token_ids"] = samsum_eos_ids(tok) + [newline]  # pred.py's list for samsum
     # Query-agnostic: what is prefilled after compression is the template's text after {context}; these
     # tasks have none (everything is compressed), these others only a fixed instruction (no question).
     rules["nothing_after_context"] = sorted(set(plan.names) & set(NOTHING_AFTER_CONTEXT))

@@ -231,6 +231,22 @@ def test_hybrid_sliding_layers_stay_whole_and_generation_crosses_the_window(one_
             assert [int(x) for x in ref[0].argmax(-1)] == out.generation.tokens[0], (tag, query_aware)
 
 
+def test_all_sliding_layers_are_left_whole_past_the_window(one_thread, caplog):
+    """Mistral v0.1-style: every layer has a 64-token window. Nothing is compressed (the model's own
+    window bounds every layer), decoding past the window equals the uncompressed model, and the run
+    says so once."""
+    model = tiny_model("mistral", "sdpa", heads=4, kv_heads=2)
+    model.config.sliding_window = 64
+    model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+    ids = prompt_ids(length=100, seed=9)
+    plain = greedy_generate(model, ids, max_new_tokens=30).tokens
+    for tag in ("snapkv", "streamingllm"):
+        with caplog.at_level("WARNING"):
+            out = generate_settings(loaded_of(model), [(tag, methods("mean")[tag])], Prompt(ids[0].tolist()), max_new_tokens=30)[tag]
+        assert out.generation.tokens == plain and out.diagnostics["compressed_layers"] == []
+        assert "sliding window" in caplog.text
+
+
 def test_soft_capped_attention_is_refused():
     config = AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=16, vocab_size=1000, attn_logit_softcapping=50.0)

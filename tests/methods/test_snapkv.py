@@ -115,9 +115,11 @@ def test_families_and_backends(family, attn):
     model = tiny_model(family, attn)
     ids = torch.randint(0, 1000, (1, 200), generator=torch.Generator().manual_seed(0))
     full = greedy_generate(model, ids, max_new_tokens=8)
-    # A budget that covers the prompt changes nothing.
-    with compression(model, snapkv(400)):
+    # A budget equal to the prompt: the selection runs (every layer compressed) and keeps every position,
+    # so decoding is the uncompressed one.
+    with compression(model, snapkv(200)) as state:
         same = greedy_generate(model, ids, max_new_tokens=8)
+    assert all(r.compressed and r.positions.shape[-1] == 200 for r in state.states["snapkv"].layers.values())
     assert same.tokens == full.tokens
     for gqa, heads in (("expand", 4), ("mean", 2), ("max", 2)):
         with compression(model, snapkv(64, gqa)) as state:
@@ -196,8 +198,10 @@ def test_budget_covering_prompt_matches_full_on_smollm2(smollm2):
     prompt = smollm2.encode(smollm2.format_chat([{"role": "user", "content": "Name three colours of the rainbow."}]))
     ids = torch.tensor([prompt])
     full = greedy_generate(smollm2.model, ids, max_new_tokens=12, eos_token_ids=smollm2.eos_token_ids)
-    with compression(smollm2.model, snapkv(len(prompt) + 1, "expand", window=4)):
+    with compression(smollm2.model, snapkv(len(prompt), "expand", window=4)) as state:
         same = greedy_generate(smollm2.model, ids, max_new_tokens=12, eos_token_ids=smollm2.eos_token_ids)
+    layers = state.states["snapkv"].layers
+    assert len(layers) == 30 and all(r.compressed and r.after == (9, len(prompt)) for r in layers.values())  # selected, all kept
     assert same.tokens == full.tokens
 
 

@@ -66,7 +66,7 @@ def preds(run_dir: Path, name: str, shard: str = "") -> list[dict]:
 
 def test_all_fixture_tasks_tiny_random_snapkv(tmp_path, capped):
     res = run(tmp_path, datasets(ALL_FIXTURE_TASKS), "task.limit=2", "task.log_prompts=true",
-              "method=snapkv", "method.budget=64", "method.window_size=8")
+              "method=snapkv", "method.budget=64", "method.window_size=8", "model.eos_token_ids=[7]")
     s = res["summary"]
     assert s["status"] == "complete" and s["tasks"] == ALL_FIXTURE_TASKS
     assert list(s["scores"]) == ALL_FIXTURE_TASKS and all(isinstance(v, float) for v in s["scores"].values())
@@ -86,6 +86,8 @@ def test_all_fixture_tasks_tiny_random_snapkv(tmp_path, capped):
         for call in capped[2 * t: 2 * t + 2]:
             assert call["max_new_tokens"] == maxlen[name]
             assert call["stop_token_ids"] == ([NEWLINE] if name == "samsum" else [])
+            # pred.py: samsum stops at [tokenizer.eos_token_id, "\n"] only; other tasks at every EOS id of the model
+            assert call["eos_token_ids"] == ([2] if name == "samsum" else [2, 7])
             assert call["min_new_tokens"] == (1 if name == "samsum" else 0)
 
     for name in ALL_FIXTURE_TASKS:
@@ -240,3 +242,28 @@ def test_failed_item_is_recorded_not_scored_and_retried(tmp_path, capped, monkey
     capped.clear()
     third = run(tmp_path, datasets(["trec"]), "task.limit=2", "resume=false")  # a fresh start redoes everything
     assert len(capped) == 2 and third["summary"]["scores"] == second["summary"]["scores"]
+
+
+@pytest.mark.parametrize("query_aware", [True, False])
+def test_methods_list_equals_separate_runs_both_protocols(tmp_path, query_aware):
+    """One prefill per item for every setting (issue 13) gives each setting exactly its separate run's
+    predictions; query-agnostic runs prefill the text after {context} after compression (issue 12)."""
+    names = ["qasper", "trec", "passage_count"]  # passage_count: only a fixed instruction after {context}
+    base = ["task=longbench", "model=tiny-random", f"task.data_dir={FIXTURES}", "progress=false", datasets(names),
+            "task.limit=1", f"task.query_aware={str(query_aware).lower()}"]
+    listing = "methods=[full,{name: snapkv, budget: 64, window_size: 8},{name: h2o, budget: 64, window_size: 8}]"
+    execute(compose(*base, listing), tmp_path / "shared", overrides=[*base, listing])
+    separate = {"full": ["method=full"], "snapkv_c64_w8_k7_maxpool_expand": ["method=snapkv", "method.budget=64", "method.window_size=8"],
+                "h2o_c64_w8_expand": ["method=h2o", "method.budget=64", "method.window_size=8"]}
+    keys = ("pred", "prompt_tokens", "question_start", "protocol", "question_kept", "kv_positions_after_prefill")
+    for tag, overrides in separate.items():
+        alone = execute(compose(*base, *overrides), tmp_path / tag, overrides=[*base, *overrides])
+        assert alone["summary"]["protocol"] == ("query_aware" if query_aware else "query_agnostic")
+        for name in names:
+            a = preds(tmp_path / tag, name)
+            b = [json.loads(line) for line in (tmp_path / "shared" / tag / "pred" / f"{name}.jsonl").read_text().splitlines()]
+            assert [{k: r.get(k) for k in keys} for r in a] == [{k: r.get(k) for k in keys} for r in b], (tag, name)
+            for r in a:
+                assert 0 < r["question_start"] < r["prompt_tokens"]  # every official template has text after {context}
+                if tag != "full" and not query_aware:
+                    assert r["question_kept"] == 1.0  # prefilled after compression, by construction
