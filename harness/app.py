@@ -215,7 +215,9 @@ def writes_run_dir_itself(task) -> bool:
 
 def setting_dir(cfg: DictConfig, run_dir: Path) -> Path:
     """Where a config's results go inside a run directory: <run dir>/<method tag> (bench: <run dir>)."""
-    return Path(run_dir) if writes_run_dir_itself(get_task(cfg.task.name)) else Path(run_dir) / str(cfg.method.tag)
+    from harness.tasks import SELF_MANAGED  # by name: planning run directories imports no task module (no torch)
+
+    return Path(run_dir) if str(cfg.task.name) in SELF_MANAGED else Path(run_dir) / str(cfg.method.tag)
 
 
 # --------------------------------------------------------------------------------------------------

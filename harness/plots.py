@@ -1,4 +1,4 @@
-"""Pictures: the needle heatmap in the original test's style, and line plots for the benchmark."""
+"""Pictures: the needle heatmap in the original test's style (and any score over length x position), and line plots."""
 
 from __future__ import annotations
 
@@ -14,32 +14,40 @@ from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
 
 
-def needle_heatmap(rows: list[dict], path: Path, *, title: str, score_key: str = "score") -> Path | None:
+def grid_heatmap(rows: list[dict], path: Path, *, title: str, score_key: str = "score", y_key: str = "depth",
+                 xlabel: str = "Token Limit", ylabel: str = "Depth Percent", what: str | None = None) -> Path | None:
+    """Score per (y, length) cell, red -> yellow -> green; several records of one cell (samples) are averaged."""
     if not rows:
         return None
     lengths = sorted({r["length"] for r in rows})
-    depths = sorted({r["depth"] for r in rows})
-    grid = [[float("nan")] * len(lengths) for _ in depths]
+    ys = sorted({r[y_key] for r in rows})
+    cells: dict[tuple, list[float]] = {}
     for r in rows:
-        grid[depths.index(r["depth"])][lengths.index(r["length"])] = float(r[score_key])
+        cells.setdefault((r[y_key], r["length"]), []).append(float(r[score_key]))
+    grid = [[sum(cells[(y, n)]) / len(cells[(y, n)]) if (y, n) in cells else float("nan") for n in lengths] for y in ys]
     mean = sum(float(r[score_key]) for r in rows) / len(rows)
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(lengths) + 3), max(3.5, 0.4 * len(depths) + 2)))
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(lengths) + 3), max(3.5, 0.4 * len(ys) + 2)))
     im = ax.imshow(grid, cmap=NEEDLE_CMAP, vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(lengths)), [_k(n) for n in lengths], rotation=45 if len(lengths) > 8 else 0)
-    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
-    ax.set_xlabel("Token Limit")
-    ax.set_ylabel("Depth Percent")
-    ax.set_title(f"{title}\nmean {score_key} {mean:.3f} over {len(rows)} cells", fontsize=10)
-    if len(lengths) * len(depths) <= 120:
+    ax.set_yticks(range(len(ys)), [f"{d:g}" for d in ys])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{title}\nmean {what or score_key} {mean:.3f} over {len(rows)} record(s)", fontsize=10)
+    if len(lengths) * len(ys) <= 150:
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if v == v:
                     ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="black")
-    fig.colorbar(im, ax=ax, label=score_key)
+    fig.colorbar(im, ax=ax, label=what or score_key)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def needle_heatmap(rows: list[dict], path: Path, *, title: str, score_key: str = "score") -> Path | None:
+    """The original needle test's heatmap: depth x length."""
+    return grid_heatmap(rows, path, title=title, score_key=score_key)
 
 
 def line_plot(series: dict[str, list[tuple[float, float]]], path: Path, *, title: str, xlabel: str, ylabel: str,

@@ -21,7 +21,6 @@ matplotlib.use("Agg")  # headless, deterministic
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from harness.plots import NEEDLE_CMAP  # noqa: E402
 
 OBS_FILES = ("observation.md", "observation.csv")
 LINES_FILES = ("lines.md", "lines.csv")
@@ -118,37 +117,12 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def lines_grid(rows: list[dict]) -> tuple[list[int], list[float], list[list[float]]]:
-    """(lengths, positions, mean score per [position][length]) averaged over samples; NaN where absent."""
-    lengths = sorted({int(r["length"]) for r in rows})
-    positions = sorted({float(r["position"]) for r in rows})
-    sums: dict[tuple, list[float]] = {}
-    for r in rows:
-        sums.setdefault((float(r["position"]), int(r["length"])), []).append(float(r["score"]))
-    grid = [[(sum(sums[(d, n)]) / len(sums[(d, n)])) if (d, n) in sums else float("nan") for n in lengths] for d in positions]
-    return lengths, positions, grid
-
-
 def lines_heatmap(rows: list[dict], path: Path, *, title: str) -> Path | None:
     """Ground-truth position x prompt length, exact-match accuracy, the needle heatmap's colours."""
-    if not rows:
-        return None
-    lengths, positions, grid = lines_grid(rows)
-    mean = sum(float(r["score"]) for r in rows) / len(rows)
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(lengths) + 3), max(3.5, 0.4 * len(positions) + 2)))
-    im = ax.imshow(grid, cmap=NEEDLE_CMAP, vmin=0.0, vmax=1.0, aspect="auto")
-    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45 if len(lengths) > 8 else 0)
-    ax.set_yticks(range(len(positions)), [f"{d:g}" for d in positions])
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("ground-truth line position (%)")
-    ax.set_title(f"{title}\nLongEval-Lines exact match {mean:.3f} over {len(rows)} record(s)", fontsize=10)
-    if len(lengths) * len(positions) <= 150:
-        for i, row in enumerate(grid):
-            for j, v in enumerate(row):
-                if v == v:
-                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="black")
-    fig.colorbar(im, ax=ax, label="exact match")
-    return _save(fig, Path(path))
+    from harness.plots import grid_heatmap
+
+    return grid_heatmap(rows, Path(path), title=title, y_key="position", xlabel="prompt length (tokens)",
+                        ylabel="ground-truth line position (%)", what="LongEval-Lines exact match")
 
 
 # ------------------------------------------------------------------------------------------ report sections

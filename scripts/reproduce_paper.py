@@ -253,12 +253,14 @@ def launches(exp: Experiment) -> list[dict[str, list[str]]]:
     keys = list(exp.params)
     if len(todo) == len(exp.jobs):
         return [dict(exp.params)]
-    if len(keys) == 1:
-        return [{keys[0]: [j.sweep[keys[0]] for j in todo]}]
+    if len(keys) == 1:  # (a job with a methods list is several runs of one sweep value: listed once)
+        return [{keys[0]: list(dict.fromkeys(j.sweep[keys[0]] for j in todo))}]
     last = keys[-1]
     by_prefix: dict[tuple, list[str]] = {}
     for j in todo:
-        by_prefix.setdefault(tuple(j.sweep[k] for k in keys[:-1]), []).append(j.sweep[last])
+        values = by_prefix.setdefault(tuple(j.sweep[k] for k in keys[:-1]), [])
+        if j.sweep[last] not in values:
+            values.append(j.sweep[last])
     if len(keys) == 2:  # merge prefixes that miss the same values: model=a,b method=x,y
         by_values: dict[tuple, list[str]] = {}
         for prefix, values in by_prefix.items():

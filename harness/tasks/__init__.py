@@ -1,5 +1,8 @@
 """Task runners, by `task.name`. A task module has `validate(task_cfg)` (cheap, no model) and
-`run(cfg, loaded, method, run_dir, progress)` returning {"summary", "rows", "failures", ...}."""
+`run(cfg, loaded, settings, progress)` returning {tag: {"summary", "rows", "failures", ...}} (one
+entry per harness.tasks.common.Setting), or, for tasks that compare methods themselves (listed in
+SELF_MANAGED: they write their run directory, not one sub-directory per setting),
+`prepare_and_run(cfg, run_dir)`."""
 
 from importlib import import_module
 
@@ -11,6 +14,8 @@ TASKS = {
     "observation": "harness.tasks.observation",
     "lines": "harness.tasks.lines",
 }
+
+SELF_MANAGED = ("bench",)  # known without importing the module (which loads torch)
 
 
 def get_task(name: str):
