@@ -26,7 +26,7 @@ def grid_heatmap(rows: list[dict], path: Path, *, title: str, score_key: str = "
         cells.setdefault((r[y_key], r["length"]), []).append(float(r[score_key]))
     grid = [[sum(cells[(y, n)]) / len(cells[(y, n)]) if (y, n) in cells else float("nan") for n in lengths] for y in ys]
     mean = sum(float(r[score_key]) for r in rows) / len(rows)
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(lengths) + 3), max(3.5, 0.4 * len(ys) + 2)))
+    fig, ax = plt.subplots(figsize=(max(6.5, 0.55 * len(lengths) + 3), max(3.5, 0.4 * len(ys) + 2)))
     im = ax.imshow(grid, cmap=NEEDLE_CMAP, vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(lengths)), [_k(n) for n in lengths], rotation=45 if len(lengths) > 8 else 0)
     ax.set_yticks(range(len(ys)), [f"{d:g}" for d in ys])

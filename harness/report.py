@@ -541,6 +541,9 @@ def needle_table(rows: list[dict], out: Path) -> str:
 
             needle_heatmap(r["_cells"], target, title=f"{r['model']} · {r['method_tag']}", score_key="score")
         r["heatmap"] = f"needle/{target.name}" if target.exists() else None
+        retention = r["_run"].path.parent / "needle_retention.png"  # the fraction of the needle each method kept
+        if retention.exists():
+            shutil.copyfile(retention, heat_dir / f"{name}__retention.png")
     series = {f"{r['model']} · {r['setting']}" + ("" if r["protocol"] == "query_aware" else f" · {_protocol_label(r['protocol'])}"):
               sorted(_by_length(r["_cells"]).items()) for r in rows}
     if any(series.values()):
@@ -549,16 +552,31 @@ def needle_table(rows: list[dict], out: Path) -> str:
         line_plot(series, out / "needle_by_length.png", title="Needle: mean score per prompt length",
                   xlabel="prompt tokens", ylabel=rows[0]["score_name"], logx=True)
     headers = ["Model", "Setting", "Protocol", "Prompt", "Chat", "Device", "Cells", *buckets, "Mean", "Strict acc.",
-               "All depths correct up to", "Failed cells (first at)", "Heatmap"]
+               "All depths correct up to", "Failed cells (first at)", "Needle kept", "Heatmap"]
+
+    def kept(r):  # mean fraction of the needle's tokens still cached after compression (needle_retention.png)
+        value = (r["_run"].data.get("summary") or {}).get("mean_needle_kept")
+        return _fmt(value, 3) if value is not None and r["method_tag"] != "full" else "–"
+
+    def pictures(r):
+        links = [f"[png]({r['heatmap']})"] if r.get("heatmap") else []
+        retention = Path(r["heatmap"] or "").stem + "__retention.png"
+        if r.get("heatmap") and (heat_dir / retention).exists():
+            links.append(f"[kept]({'needle/' + retention})")
+        return " ".join(links) or "–"
+
     body = [[r["model"], r["setting"], _protocol_label(r["protocol"]), r["prompt_style"], r["chat_format"], r["device"], r["cells"],
              *[_fmt(r["buckets"].get(b), 3) for b in buckets], _fmt(r["mean_score"], 3), _fmt(r["strict_accuracy"], 3),
              _fmt(r["longest_all_strict"]), f"{r['failed_cells']}" + (f" ({r['first_failed_length']}{', OOM' if r['first_oom_length'] else ''})" if r["failed_cells"] else ""),
-             f"[png]({r['heatmap']})" if r.get("heatmap") else "–"] for r in rows]
-    lines = ["## Needle in a haystack", "", markdown_table(headers, body, ["l"] * 6 + ["r"] * (len(buckets) + 5) + ["l"]), "",
+             kept(r), pictures(r)] for r in rows]
+    lines = ["## Needle in a haystack", "", markdown_table(headers, body, ["l"] * 6 + ["r"] * (len(buckets) + 6) + ["l"]), "",
              f"- Score: {rows[0]['score_name']} of the needle's answer in the response (judge-free), mean per prompt-length "
              "bucket (tokens, template included); Strict acc.: share of cells with every key fact of the needle.",
              "- All depths correct up to: the longest prompt length L such that every cell at every length <= L is strictly "
-             "correct. Failed cells: cells with an error (OOM: out of memory), which have no score."]
+             "correct. Failed cells: cells with an error (OOM: out of memory), which have no score.",
+             "- Needle kept: the mean fraction of the needle's tokens still in the cache after compression (over cells, "
+             "compressed layers and heads; `kept` links the per-cell picture): it tells \"the method evicted the needle\" "
+             "from \"the model failed with the needle in cache\"."]
     for r in rows:
         if r.get("note"):
             lines.append(f"- {r['model']} · {r['setting']} (`{r['run']}`): {r['note']}.")
