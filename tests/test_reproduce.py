@@ -222,7 +222,8 @@ def test_smoke_runs_the_whole_plan_and_builds_the_tables(tmp_path):
     with open(tables / "needle.csv", newline="") as f:
         needle = list(csv.DictReader(f))
     assert {r["setting"] for r in needle} == {"All KV", "SnapKV 256 (W16 k5 maxpool)"}
-    assert len(list((tables / "needle").glob("*.png"))) == 2
+    assert len(list((tables / "needle").glob("*__chat.png"))) == 2  # score heatmaps (+ SnapKV's retention picture)
+    assert len(list((tables / "needle").glob("*__retention.png"))) == 1
     with open(tables / "efficiency.csv", newline="") as f:
         eff = list(csv.DictReader(f))
     assert {r["method"] for r in eff} == {"full", "snapkv-c128"} and {r["batch"] for r in eff} == {"2"}

@@ -121,7 +121,7 @@ def test_run_outputs_resume_and_single_tokenization(tmp_path, monkeypatch):
 
     original = needle.run
 
-    def spy_run(cfg, loaded: LoadedModel, method, run_dir, progress=True):
+    def spy_run(cfg, loaded: LoadedModel, settings, progress=True):
         tok = loaded.tokenizer
         real_call = type(tok).__call__
 
@@ -131,7 +131,7 @@ def test_run_outputs_resume_and_single_tokenization(tmp_path, monkeypatch):
             return real_call(self, text, *a, **k)
 
         monkeypatch.setattr(type(tok), "__call__", counting)
-        return original(cfg, loaded, method, run_dir, progress)
+        return original(cfg, loaded, settings, progress)
 
     monkeypatch.setattr(needle, "run", spy_run)
     results = execute(cfg, tmp_path)
