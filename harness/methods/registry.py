@@ -186,7 +186,14 @@ def streamingllm_rule(variant, sink_tokens, window) -> str:
     return f"{variant}_s{sink_tokens}_{window_tag(window)}"
 
 
+def protocol_suffix(query_aware) -> str:
+    """`${kv.protocol_suffix:${oc.select:task.query_aware,true}}`: run directories of query-agnostic runs get
+    their own folder (`needle_query_agnostic/`), so the two protocols of one method never collide."""
+    return "" if str(query_aware).lower() != "false" else "_query_agnostic"
+
+
 RESOLVERS = {
+    "kv.protocol_suffix": protocol_suffix,
     "kv.budget": budget_default,
     "kv.budget_tag": budget_tag,
     "kv.half": half,
