@@ -236,17 +236,6 @@ def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], pr
     return outcomes
 
 
-def generate(loaded: LoadedModel, method, prompt_ids: list[int], **kwargs) -> tuple[Generation, dict]:
-    """Greedy generation of one prompt under one method (the N = 1 case of `generate_settings`);
-    returns the generation and the compression it did. Errors propagate."""
-    prompt = kwargs.pop("prompt", None) or Prompt(list(prompt_ids))
-    outcome = generate_settings(loaded, [(getattr(method, "name", "full"), method)], prompt, **kwargs)
-    (only,) = outcome.values()
-    if only.error is not None:
-        raise only.error
-    return only.generation, only.diagnostics
-
-
 @dataclass
 class ItemResult:
     done: int = 0
