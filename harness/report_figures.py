@@ -10,8 +10,6 @@ removes them before writing.
 
 from __future__ import annotations
 
-import csv
-import io
 import shutil
 from pathlib import Path
 
@@ -19,6 +17,8 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless, deterministic
 import matplotlib.pyplot as plt  # noqa: E402
+
+from harness.report import markdown_table, write_csv  # noqa: E402  (report imports this module lazily)
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
@@ -137,21 +137,6 @@ def _fmt(v, digits: int = 3) -> str:
     return str(v)
 
 
-def _table(headers: list[str], rows: list[list]) -> str:
-    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
-    return "\n".join(out)
-
-
-def _write_csv(path: Path, rows: list[dict], fields: list[str]) -> None:
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore", lineterminator="\n")
-    w.writeheader()
-    for r in rows:
-        w.writerow({k: "" if r.get(k) is None else r.get(k) for k in fields})
-    path.write_text(buf.getvalue(), encoding="utf-8")
-
-
 def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(text))
 
@@ -201,7 +186,7 @@ def observation_section(runs, out: Path) -> str:
     if not rows:
         return ""
     fields = list(rows[0])
-    _write_csv(out / "observation.csv", rows, fields)
+    write_csv(out / "observation.csv", rows, fields)
     headers = ["Model", "Source", "w / N / G", "θ / p", "Prompts", "Last window", "First window", "Last, layer range",
                "Layers best at last", "Fig. 3", "Fig. 4 (windows / responses)", "Fig. 5 (end / begin)", "Random"]
     body = [[r["model"], r["source"], f"{r['window_tokens']} / {r['prompt_windows']} / {r['generation']}",
@@ -209,7 +194,7 @@ def observation_section(runs, out: Path) -> str:
              f"{_fmt(r['last_window_min'])}–{_fmt(r['last_window_max'])}", f"{r['layers_best_at_last']} of {r['layers']}",
              _fmt(r["fig3_mean"]), f"{_fmt(r['fig4_mean'])} / {_fmt(r['fig4_generation_mean'])}",
              f"{_fmt(r['fig5_end'])} / {_fmt(r['fig5_begin'])}", _fmt(r["chance"])] for r in rows]
-    lines = ["## Observation experiments (SnapKV Figures 2-5)", "", _table(headers, body), "",
+    lines = ["## Observation experiments (SnapKV Figures 2-5)", "", markdown_table(headers, body), "",
              "- Hit rate (the paper's Eq. 8): of the prefix positions a generated query attends to above θ, the share a "
              "window's top-p selection holds; means over layers, generated queries and prompts (per-layer arrays in "
              "results.json and the figures). Random: the expected hit rate of a random selection of the same size.",
@@ -261,13 +246,13 @@ def lines_section(runs, out: Path) -> str:
         run.used_in.append("lines")
     if not rows:
         return ""
-    _write_csv(out / "lines.csv", rows, ["model", "setting", "method_tag", "kernel_size", "cells", "accuracy", "contains_rate",
+    write_csv(out / "lines.csv", rows, ["model", "setting", "method_tag", "kernel_size", "cells", "accuracy", "contains_rate",
                                          "lengths", "device", "heatmap", "run"])
     all_lengths = sorted({int(n) for r in rows for n in (r["by_length"] or {})})
     headers = ["Model", "Setting", "Records", "Exact match", *[str(n) for n in all_lengths]]
     body = [[r["model"], r["setting"], r["cells"], _fmt(r["accuracy"]),
              *[_fmt((r["by_length"] or {}).get(str(n))) for n in all_lengths]] for r in rows]
-    lines = ["## LongEval-Lines (SnapKV Figure 8: pooling ablation)", "", _table(headers, body), "",
+    lines = ["## LongEval-Lines (SnapKV Figure 8: pooling ablation)", "", markdown_table(headers, body), "",
              "- Exact match: the last number of the response equals the asked line's value (LongEval's rule); per prompt "
              "length in tokens, averaged over ground-truth positions."]
     ablation = []
@@ -284,7 +269,7 @@ def lines_section(runs, out: Path) -> str:
                                  _fmt(None if a["accuracy"] is None or b["accuracy"] is None else round(a["accuracy"] - b["accuracy"], 4))])
     if ablation:
         lines += ["", "Pooling ablation (same model and SnapKV settings, kernel > 1 vs kernel 1):", "",
-                  _table(["Model", "SnapKV", "Pooling", "With pooling", "Without", "Difference"], ablation)]
+                  markdown_table(["Model", "SnapKV", "Pooling", "With pooling", "Without", "Difference"], ablation)]
     lines += [""] + [f"- `{r['run']}`: ![heatmap]({r['heatmap']})" for r in rows if r["heatmap"]]
     md = "\n".join(lines) + "\n"
     (out / "lines.md").write_text(md, encoding="utf-8")
