@@ -49,8 +49,49 @@ def unknown_choice(args: list[str]) -> str | None:
     return None
 
 
+def unknown_method_option(args: list[str]) -> str | None:
+    """The `error: ...` line for a `method.<option>=` override that the chosen method's config does not have
+    (Hydra's own message is a "Key ... is not in struct" block), or None (also for sweeps, `+method.x`, or
+    anything unusual: Hydra decides). The method is composed as the command line chooses it (method=,
+    experiment=, presets' defaults)."""
+    if any(a.split("=", 1)[0] in SEARCH_PATH_OPTIONS or "hydra.searchpath" in a for a in args):
+        return None
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001  (Hydra reports syntax errors itself)
+        return None
+    options = [o for o in parsed if o.key_or_group.startswith("method.") and o.package is None
+               and o.type.name == "CHANGE"]  # not +method.x (adds a key), ++ or ~
+    if not options or any(o.is_sweep_override() for o in parsed):
+        return None  # a sweep: each job reports its own error
+    if any(o.key_or_group == "methods" for o in parsed):  # harness.app's line, before Hydra's block for a mistyped key
+        return ("error: methods and method are exclusive: give each setting as a methods entry "
+                f"(e.g. 'methods=[full,{{name: snapkv, budget: 512}}]') instead of {options[0].input_line}")
+    try:
+        from hydra import compose, initialize_config_dir
+
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[o.input_line for o in parsed if not o.key_or_group.startswith("method.")])
+        method = cfg.method
+        known = [k for k in method if k not in ("name", "tag")]
+    except Exception:  # noqa: BLE001
+        return None
+    for o in options:
+        option = o.key_or_group.split(".")[1]
+        if option not in method:
+            import difflib
+
+            close = difflib.get_close_matches(option, known, n=1)
+            hint = f" (did you mean method.{close[0]}?)" if close else ""
+            return f"error: method {method.get('name')} has no option {option!r}{hint}; its options: {', '.join(known)}"
+    return None
+
+
 if __name__ == "__main__":
-    problem = unknown_choice(sys.argv[1:])
+    problem = unknown_choice(sys.argv[1:]) or unknown_method_option(sys.argv[1:])
     if problem:
         print(problem, file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

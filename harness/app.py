@@ -5,8 +5,12 @@ sweep directory) and one or more method settings: `method=<name>` (one), or `met
 the model loaded once; each entry a conf/method name or a mapping `{name: <config>, <option>: <value>}`).
 Each setting is written to `<run dir>/<its tag>`, exactly as a separate `method=<entry>` run writes it
 (its config is composed the same way, `compose_settings`), so the two ways of running share run
-directories and resume each other. `methods.json` and `comparison.md` in the run directory index the
-settings found there. Tasks that compare methods themselves (`task=bench`: `task.methods`) write into
+directories and resume each other. `methods.json` in the run directory indexes the settings found
+there; `comparison.md` compares those run on the same items and options as the latest run (with cell
+counts) and lists the others with what differs. A task module may declare `GRID_KEYS` (its options
+that only choose which items run: another grid reuses a run directory's items, harness/rundir.py) and
+`PROTOCOL_OPTIONS` (which of `query_aware`, `prefill_chunk_size` it applies; the others are refused).
+Tasks that compare methods themselves (`task=bench`: `task.methods`) write into
 the run directory itself.
 
 Everything that can be checked without the model is checked first (task options and data, method
@@ -247,9 +251,25 @@ def execute(cfg: DictConfig, run_path: Path, overrides: list[str] | None = None,
             run_dir.unlock()
 
 
+def check_protocol(task, cfg: DictConfig) -> None:
+    """Refuse, in one line, a protocol option the task does not apply (a task module lists those it
+    applies in PROTOCOL_OPTIONS): `model.prefill_chunk_size` and `task.query_aware=false` are never
+    silently ignored."""
+    applied = getattr(task, "PROTOCOL_OPTIONS", ())
+    name = cfg.task.name
+    chunk = cfg.model.get("prefill_chunk_size")
+    if chunk is not None and "prefill_chunk_size" not in applied:
+        raise HarnessError(f"task={name} does not apply model.prefill_chunk_size={chunk} (it prefills in one forward); "
+                           "drop it (model.prefill_chunk_size=null)")
+    if not bool(cfg.task.get("query_aware", True)) and "query_aware" not in applied:
+        raise HarnessError(f"task={name} does not apply task.query_aware=false (it has no question asked after the "
+                           "compressed part); drop it")
+
+
 def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs: list[RunDir]) -> dict:
     task = get_task(cfg.task.name)
     task.validate(cfg.task)
+    check_protocol(task, cfg)
     resume = resume_mode(cfg.get("resume", True))
     entries = method_entries(cfg, overrides)
     if writes_run_dir_itself(task):
@@ -267,7 +287,7 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
     configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
     planned = []
     for tag, scfg in configs:
-        run_dir = RunDir(run_path / tag)
+        run_dir = RunDir(run_path / tag, grid=getattr(task, "GRID_KEYS", ()))
         dirs.append(run_dir)
         run_dir.check(scfg, resume=resume)  # before the model: unwritable folder, conflicting earlier run, other code
         planned.append((tag, scfg, check_method(scfg), run_dir))  # before the model: bad budgets, windows, kernels
@@ -309,7 +329,7 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
         }
         s.run_dir.write_results(results)
         done[s.tag] = results
-    update_index(run_path, done)
+    update_index(run_path, done, tuple(getattr(task, "GRID_KEYS", ())))
     if entries is None:
         return done[settings[0].tag]
     return {"settings": done, "summary": {tag: _main_score(r["summary"])[1] for tag, r in done.items()},
@@ -361,9 +381,43 @@ def _budget_text(method: dict) -> str:
     return str(method.get("budget")) if method.get("budget") is not None else "-"
 
 
-def update_index(run_path: Path, done: dict[str, dict]) -> None:
-    """Add this run's settings to `methods.json` (tag -> sub-directory, method, headline score, status)
-    and rewrite `comparison.md` from it. Under a lock: jobs of one sweep share the run directory."""
+def _cells(summary: dict) -> int | None:
+    """How many items a setting's summary covers: `cells` (needle, lines), LongBench's items per task summed."""
+    if isinstance(summary.get("cells"), int):
+        return summary["cells"]
+    items = summary.get("items")
+    if isinstance(items, dict) and all(isinstance(v, int) for v in items.values()):
+        return sum(items.values())
+    return None
+
+
+def _compared_config(config: dict) -> dict:
+    """What must be equal for two settings' scores to be compared: the resolved config without the method
+    keys (`method`, `methods`); result_key_differences then ignores the keys that never change results."""
+    return {k: v for k, v in config.items() if k not in ("method", "methods")}
+
+
+def _setting_config(run_path: Path, tag: str) -> dict | None:
+    try:
+        data = json.loads((run_path / tag / "results.json").read_text(encoding="utf-8"))
+        return data["config"] if isinstance(data.get("config"), dict) else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _grid_text(config: dict, grid: tuple[str, ...]) -> str:
+    task = config.get("task") or {}
+    return ", ".join(f"{k}={json.dumps(task.get(k), default=str).replace(' ', '')}" for k in grid if k in task)
+
+
+def update_index(run_path: Path, done: dict[str, dict], grid: tuple[str, ...] = ()) -> None:
+    """Add this run's settings to `methods.json` (tag -> sub-directory, method, headline score, cells,
+    status) and rewrite `comparison.md` from it. comparison.md compares like with like: the settings whose
+    config equals this run's apart from the method (same grid, prompt style, protocol, model options, ...),
+    with their cell counts; every other setting in the index is listed below the table with what differs.
+    Under a lock: jobs of one sweep share the run directory."""
+    from harness.rundir import describe_differences, result_key_differences
+
     lock = RunLock(run_path, name=".index.lock").acquire(quiet=True)
     try:
         path = run_path / INDEX_FILE
@@ -376,19 +430,47 @@ def update_index(run_path: Path, done: dict[str, dict]) -> None:
             name, score = _main_score(results["summary"])
             settings[tag] = {"dir": tag, "method": results["method"].get("name"), "budget": _budget_text(results["method"]),
                              "task": results["task"], "model": results["model"].get("name"), "score_name": name,
-                             "score": score, "status": results["status"], "failures": results["failures"],
-                             "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+                             "score": score, "cells": _cells(results["summary"]), "status": results["status"],
+                             "failures": results["failures"], "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         settings = {t: settings[t] for t in sorted(settings, key=lambda t: (settings[t].get("method") != "full", t))}
         write_json(path, {"schema": 1, "settings": settings})
-        rows = ["| setting | method | budget | score | status |", "|---|---|---|---|---|"]
-        for tag, s in settings.items():
+
+        reference = _compared_config(next(iter(done.values()))["config"])
+        compared, left_out = [], []
+        for tag in settings:
+            config = done[tag]["config"] if tag in done else _setting_config(run_path, tag)
+            if config is None:
+                left_out.append(f"- {tag}: no results.json with its config")
+                continue
+            diff = result_key_differences(_compared_config(config), reference)
+            if not diff:
+                compared.append(tag)
+            else:
+                cells = settings[tag].get("cells")
+                left_out.append(f"- {tag} ({'?' if cells is None else cells} cell{'' if cells == 1 else 's'}): "
+                                f"{describe_differences(_compared_config(config), reference, diff, limit=4)}")
+        rows = ["| setting | method | budget | cells | score | status |", "|---|---|---|---:|---:|---|"]
+        for tag in compared:
+            s = settings[tag]
             score = "-" if s.get("score") is None else f"{s['score']:.4f}" if isinstance(s["score"], float) else str(s["score"])
             status = s["status"] + (f" ({s['failures']} failed)" if s.get("failures") else "")
-            rows.append(f"| [{tag}]({s['dir']}/results.json) | {s['method']} | {s['budget']} | {score} | {status} |")
-        names = sorted({s.get("score_name") or "-" for s in settings.values()})
-        first = next(iter(settings.values()))
-        title = f"# {first.get('task')} on {first.get('model')}: {', '.join(names)} per setting\n\n"
-        write_text(run_path / COMPARISON_FILE, title + "\n".join(rows) + "\n")
+            cells = "-" if s.get("cells") is None else str(s["cells"])
+            rows.append(f"| [{tag}]({s['dir']}/results.json) | {s['method']} | {s['budget']} | {cells} | {score} | {status} |")
+        names = sorted({settings[t].get("score_name") or "-" for t in compared})
+        first = settings[compared[0]]
+        task = reference.get("task") or {}
+        what = [x for x in (_grid_text(reference, grid), f"prompt_style={task['prompt_style']}" if "prompt_style" in task else "",
+                            f"query_aware={json.dumps(task.get('query_aware', True))}",
+                            f"prefill_chunk_size={json.dumps((reference.get('model') or {}).get('prefill_chunk_size'))}") if x]
+        text = (f"# {first.get('task')} on {first.get('model')}: {', '.join(names)} per setting\n\n"
+                f"Settings run on the same items with the same options as the latest run ({'; '.join(what)}); "
+                "cells: the items each score averages.\n\n" + "\n".join(rows) + "\n")
+        if left_out:
+            text += ("\nLeft out (other items or options than the latest run, `old -> latest`; each setting's "
+                     "results.json has its own summary; to compare one, run it with the latest options: the cells "
+                     "it already holds are reused):\n\n"
+                     + "\n".join(left_out) + "\n")
+        write_text(run_path / COMPARISON_FILE, text)
     finally:
         lock.release()
 

@@ -27,14 +27,23 @@ class Generation:
     step_seconds: list[float] = field(default_factory=list)
     stopped_by: list[str] = field(default_factory=list)
     cache: object = None
+    decoded_with: str = "alone"  # "batch of N" when N settings decoded together (harness/batch_decode.py)
 
     @property
     def decode_seconds(self) -> float:
         return float(sum(self.step_seconds))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
+def _sync(where) -> None:
+    """Wait for queued CUDA work before reading a clock. `where`: a model (every CUDA device its parameters and
+    buffers are on: a `device_map=auto` model's later layers run on other GPUs than its input) or one device."""
+    if not torch.cuda.is_available():
+        return
+    if isinstance(where, torch.nn.Module):
+        devices = {t.device for t in (*where.parameters(), *where.buffers()) if t.device.type == "cuda"}
+    else:
+        devices = {torch.device(where)} if torch.device(where).type == "cuda" else set()
+    for device in sorted(devices, key=lambda d: d.index or 0):
         torch.cuda.synchronize(device)
 
 
@@ -119,7 +128,7 @@ def greedy_decode(
             break
         start = time.perf_counter()
         logits = forward_tokens(model, cache, next_ids[:, None], prompt_length + t)
-        _sync(device)
+        _sync(model)
         steps.append(time.perf_counter() - start)
     return tokens, steps, stopped
 
@@ -137,12 +146,11 @@ def greedy_generate(
     """Greedy decoding of `input_ids` (B, L), no padding: one prefill (logits for the last position
     only; in chunks of `chunk_size` tokens if given), then one token at a time at true positions.
     `decode_options` as `greedy_decode`."""
-    device = input_ids.device
     cache = DynamicCache(config=model.config)
-    _sync(device)
+    _sync(model)
     start = time.perf_counter()
     logits = prefill(model, cache, input_ids, chunk_size=chunk_size)
-    _sync(device)
+    _sync(model)
     seconds = time.perf_counter() - start
     tokens, steps, stopped = greedy_decode(model, cache, logits, input_ids.shape[1], max_new_tokens=max_new_tokens, **decode_options)
     return Generation(tokens=tokens, prompt_length=input_ids.shape[1], prefill_seconds=seconds, step_seconds=steps,

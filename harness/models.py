@@ -25,6 +25,7 @@ from harness.errors import HarnessError, require
 log = logging.getLogger(__name__)
 
 SOURCES = ("hub", "local", "gguf_package", "random")
+EMBEDDED_TOKENIZER = "smollm2-135m (embedded)"  # the stand-in tokenizer of random-weight models without their own
 CHAT_FORMATS = ("template", "inst", "none", "vicuna")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # LongChat (FastChat vicuna_v1.1), as LongBench's pred.py builds it.
@@ -53,6 +54,8 @@ class LoadedModel:
     # `model.stop_strings`: generation stops once the decoded continuation contains one of them (the
     # base Gemma 3 270M rambles on after its answer: ["\n"]). Empty: stop at EOS / length only.
     stop_strings: list[str] = field(default_factory=list)
+    # `model.chat_template_kwargs`: extra variables of the chat template (Qwen3: {enable_thinking: false}).
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     @property
     def config(self):
@@ -60,7 +63,7 @@ class LoadedModel:
 
     def format_chat(self, messages: list[dict]) -> str:
         """Render chat messages as prompt text by the model's declared chat format."""
-        return format_chat(self.tokenizer, self.chat_format, messages)
+        return format_chat(self.tokenizer, self.chat_format, messages, self.chat_template_kwargs)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt rendered by `format_chat` (or raw text for chat_format=none).
@@ -71,13 +74,15 @@ class LoadedModel:
         return self.tokenizer(text, add_special_tokens=self.chat_format != "template")["input_ids"]
 
 
-def format_chat(tokenizer, chat_format: str, messages: list[dict]) -> str:
+def format_chat(tokenizer, chat_format: str, messages: list[dict], template_kwargs: dict | None = None) -> str:
+    """Render chat messages as prompt text; `template_kwargs` (model.chat_template_kwargs) are passed to the
+    chat template as variables (chat_format=template only)."""
     if chat_format == "template":
         require(
             getattr(tokenizer, "chat_template", None) is not None,
             "model.chat_format=template but the tokenizer has no chat template; use inst, vicuna or none",
         )
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
     system = "\n".join(m["content"] for m in messages if m["role"] == "system")
     user = "\n".join(m["content"] for m in messages if m["role"] != "system")
     text = f"{system}\n{user}" if system else user
@@ -253,10 +258,12 @@ def _dequantize(materialise: Callable[[Path], Path], target: Path) -> None:
 
 
 @lru_cache(maxsize=8)
-def _load_tokenizer(location: str, gguf_file: str | None = None):
+def _load_tokenizer(location: str, gguf_file: str | None = None, local_only: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(location, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(location)
+    if gguf_file:
+        return AutoTokenizer.from_pretrained(location, gguf_file=gguf_file)
+    return AutoTokenizer.from_pretrained(location, local_files_only=True) if local_only else AutoTokenizer.from_pretrained(location)
 
 
 def embedded_tokenizer():
@@ -280,6 +287,37 @@ def _pretrained_location(cfg) -> str:
         require(cfg.path and Path(cfg.path).is_dir(), f"model.path '{cfg.path}' is not a folder (model {cfg.name})")
         return str(cfg.path)
     return str(cfg.path)
+
+
+@lru_cache(maxsize=1)
+def hub_reachable(timeout: float = 3.0) -> tuple[bool, str]:
+    """Whether the Hugging Face hub can be reached, and if not why, in a few seconds at most: HF_HUB_OFFLINE,
+    or a TCP connection to the hub's endpoint (or the proxy the environment names for it) that fails within
+    `timeout`. Checked once per process, only when a model is missing from the local cache: without it,
+    huggingface_hub retries an unreachable hub with back-off for about a minute before failing."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False, "HF_HUB_OFFLINE is set"
+    endpoint = urlparse(constants.ENDPOINT)
+    via = urlparse(urllib.request.getproxies().get(endpoint.scheme, "") or constants.ENDPOINT)
+    host, port = via.hostname, via.port or (443 if via.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        return False, f"{constants.ENDPOINT} cannot be reached ({host}:{port}: {exc})"
+    return True, ""
+
+
+def _offline_error(cfg, why: str) -> HarnessError:
+    return HarnessError(
+        f"model '{cfg.path}' ({cfg.name}) is not in the local Hugging Face cache and the hub cannot be reached: {why}. "
+        f"Download it where the network allows (`hf download {cfg.path}`, with HF_TOKEN for gated models) or point "
+        f"model.source=local model.path=<folder>; for speed/memory runs model.random_weights=true needs no download")
 
 
 def _hub_error(cfg, exc: Exception) -> HarnessError:
@@ -306,11 +344,30 @@ def build_architecture_config(architecture: dict):
         raise HarnessError(f"model.architecture: {exc}") from None
 
 
+def check_name(cfg) -> None:
+    """`model.name` labels results (run directories, tables); it may not claim a hub model other than the one
+    loaded: `model.name=foo/bar` on SmolLM2's config would run SmolLM2 and file it under foo/bar."""
+    name, path = str(cfg.name), cfg.get("path")
+    require("/" not in name or (cfg.source == "hub" and name == str(path)),
+            f"model.name={name} looks like a hub id, but what loads is {_what_loads(cfg)}: model.name only labels results; "
+            f"to run {name} use model.source=hub model.path={name} (or model=<a conf/model config>), and give model.name "
+            f"without '/'")
+
+
+def _what_loads(cfg) -> str:
+    if cfg.source == "gguf_package":
+        return f"{cfg.get('gguf_file')} from the package {cfg.get('gguf_package')}"
+    if cfg.source == "random":
+        return "a random-weight model (model.source=random)"
+    return f"model.path={cfg.get('path')} (model.source={cfg.source})"
+
+
 def load_model(cfg) -> LoadedModel:
     """Load the model described by a `conf/model/*.yaml` node."""
     from transformers import AutoModelForCausalLM
 
     require(cfg.source in SOURCES, f"model.source={cfg.source!r} is not one of {', '.join(SOURCES)}")
+    check_name(cfg)
     require(cfg.chat_format in CHAT_FORMATS, f"model.chat_format={cfg.chat_format!r} is not one of {', '.join(CHAT_FORMATS)}")
     require(cfg.dtype in DTYPES, f"model.dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.dtype]
@@ -334,16 +391,31 @@ def load_model(cfg) -> LoadedModel:
         kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": attn}
         if device.type == "cuda" and cfg.get("device_map"):
             kwargs["device_map"] = cfg.device_map
-        try:
-            tokenizer = _load_tokenizer(location)
-            model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+        try:  # the local cache first: no network call at all when the model is there
+            tokenizer = _load_tokenizer(location, local_only=True)
+            model = AutoModelForCausalLM.from_pretrained(location, local_files_only=True, **kwargs)
         except (OSError, ValueError) as exc:
-            raise _hub_error(cfg, exc) from None
+            if cfg.source != "hub":
+                raise _hub_error(cfg, exc) from None
+            reachable, why = hub_reachable()
+            if not reachable:
+                raise _offline_error(cfg, why) from None
+            try:
+                tokenizer = _load_tokenizer(location)
+                model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
+            except (OSError, ValueError) as exc2:
+                raise _hub_error(cfg, exc2) from None
     if "device_map" not in info and not getattr(model, "hf_device_map", None):
         model.to(device)
     model.eval()
     model.requires_grad_(False)
-    eos = _eos_ids(model, tokenizer, cfg.get("eos_token_ids"))
+    # The tokenizer's EOS only when the tokenizer is the model's own: SmolLM2's stand-in (random weights) has
+    # EOS id 2, which is <bos> for Gemma 3.
+    own_tokenizer = info.get("tokenizer") != EMBEDDED_TOKENIZER
+    eos = _eos_ids(model, tokenizer if own_tokenizer else None, cfg.get("eos_token_ids"))
+    template_kwargs = _chat_template_kwargs(cfg)
+    if cfg.chat_format == "template":
+        info["chat_template_kwargs"] = template_kwargs
     max_positions = int(cfg.get("max_positions") or getattr(model.config, "max_position_embeddings", 0) or 0)
     return LoadedModel(
         model=model,
@@ -356,7 +428,19 @@ def load_model(cfg) -> LoadedModel:
         device=next(model.parameters()).device,
         info=info,
         stop_strings=_stop_strings(cfg),
+        chat_template_kwargs=template_kwargs,
     )
+
+
+def _chat_template_kwargs(cfg) -> dict:
+    from omegaconf import DictConfig, OmegaConf
+
+    value = cfg.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    value = OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else value
+    require(isinstance(value, dict), f"model.chat_template_kwargs={value!r} must be a mapping, e.g. {{enable_thinking: false}}")
+    return dict(value)
 
 
 def _stop_strings(cfg) -> list[str]:
@@ -371,22 +455,35 @@ def _stop_strings(cfg) -> list[str]:
 
 
 def _random_model_tokenizer(cfg, info: dict):
-    """A tokenizer for a random-weight model: its own if available offline, else SmolLM2's."""
+    """A tokenizer for a random-weight model: its own from the local cache (or the hub, when it answers),
+    else SmolLM2's (recorded in `info["tokenizer"]`). An unreachable hub costs a few seconds, not retries."""
     if cfg.get("path") and cfg.source != "random":
+        path = str(cfg.path)
         try:
-            tok = _load_tokenizer(str(cfg.path))
-            info["tokenizer"] = str(cfg.path)
-            return tok
+            tok = _load_tokenizer(path, local_only=True)
         except (OSError, ValueError):
-            log.warning("tokenizer of %s not available offline; using SmolLM2's tokenizer", cfg.path)
-    info["tokenizer"] = "smollm2-135m (embedded)"
+            tok, why = None, "not in the local cache"
+            reachable, offline = hub_reachable() if cfg.source == "hub" else (False, "")
+            if reachable:
+                try:
+                    tok = _load_tokenizer(path)
+                except (OSError, ValueError) as exc:
+                    why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            elif offline:
+                why += f" and the hub cannot be reached ({offline})"
+        if tok is not None:
+            info["tokenizer"] = path
+            return tok
+        log.warning("tokenizer of %s: %s; using SmolLM2's tokenizer", path, why)
+    info["tokenizer"] = EMBEDDED_TOKENIZER
     return embedded_tokenizer()
 
 
 def _eos_ids(model, tokenizer, extra) -> list[int]:
-    """Every EOS id the model declares (generation_config may list several) plus configured extras."""
+    """Every EOS id the model declares (generation_config may list several), its tokenizer's (None: the
+    tokenizer is not the model's own, so its ids mean nothing to this model), plus configured extras."""
     ids: list[int] = []
-    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id, extra):
+    for source in (getattr(model.generation_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None), extra):
         if source is None:
             continue
         for i in source if isinstance(source, (list, tuple)) or hasattr(source, "__iter__") else [source]:

@@ -33,11 +33,16 @@ PAIRED_TASKS = (*LONGBENCH_TASKS, "needle")
 # Task config keys that never change what an item scores: bookkeeping (as harness/rundir.py NON_RESULT_KEYS),
 # the needle memory cap (it decides which cells run out of memory, not what a finished cell scores) and
 # query_aware, which is compared as the protocol (absent = true).
-IGNORED_TASK_KEYS = ("shard", "log_prompts", "data_dir", "memory_cap_gb", "query_aware")
+IGNORED_TASK_KEYS = ("shard", "log_prompts", "data_dir", "memory_cap_gb", "query_aware",
+                     "prompt_style_by_chat_format")  # needle: how the default prompt_style is chosen (it is compared)
 IGNORED_MODEL_KEYS = ("device_map",)
 AVERAGE = "average"  # the `task` of the LongBench average row
 NEEDLE = "needle"    # the `task` of the needle mean row
 SCORE_TOLERANCE = 0.011  # per-item scores must give the recorded task score (2 decimals) within this
+# Fewest paired items for which an interval is reported: with n items the bootstrap's resampled means take at
+# most C(2n-1, n) values (n = 1: one, the estimate itself; n = 4: 35), too coarse for a 95% percentile interval.
+# Below it the row shows the mean difference and n, and no interval (CSV: empty ci_low, ci_high).
+MIN_INTERVAL_ITEMS = 5
 
 
 # ------------------------------------------------------------------------------------------ pairing key
@@ -58,8 +63,9 @@ def pair_key(run) -> str:
         "protocol": run.protocol,
         "model_name": model.get("name"),
         "random_weights": bool(model.get("random_weights") or model_cfg.get("random_weights")),
-        "model": {k: v for k, v in model_cfg.items() if k not in IGNORED_MODEL_KEYS},
-        "task_config": {k: v for k, v in task_cfg.items() if k not in IGNORED_TASK_KEYS},
+        # an option absent from an older run's config and null in a newer one mean the same (a new option's default)
+        "model": {k: v for k, v in model_cfg.items() if k not in IGNORED_MODEL_KEYS and v is not None},
+        "task_config": {k: v for k, v in task_cfg.items() if k not in IGNORED_TASK_KEYS and v is not None},
         "seed": cfg.get("seed"),
     }
     return json.dumps(key, sort_keys=True, default=str)
@@ -71,13 +77,14 @@ def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def needle_items(run) -> dict[tuple[int, float], float]:
-    """{(length, depth): score} of the run's finished cells (first record of a cell wins)."""
-    out: dict[tuple[int, float], float] = {}
+def needle_items(run) -> dict[tuple[int, float, int], float]:
+    """{(length, depth, question): score} of the run's finished cells, one per question of a cell with
+    several needles (question 0 for one-needle records); the first record of a (cell, question) wins."""
+    out: dict[tuple[int, float, int], float] = {}
     for r in run.data.get("rows") or []:
         if isinstance(r, dict) and "length" in r and "depth" in r and _number(r.get("score")):
             try:
-                out.setdefault((int(r["length"]), float(r["depth"])), float(r["score"]))
+                out.setdefault((int(r["length"]), float(r["depth"]), int(r.get("question_index") or 0)), float(r["score"]))
             except (TypeError, ValueError):
                 continue
     return out
@@ -193,8 +200,8 @@ class PairedRow:
     setting: str        # the compressed run's directory, relative to the collected folder
     task: str           # a LongBench task, AVERAGE, or NEEDLE
     delta: float        # mean of (setting - full) over the paired items
-    ci_low: float
-    ci_high: float
+    ci_low: float | None   # None: fewer than MIN_INTERVAL_ITEMS paired items, no interval
+    ci_high: float | None
     n: int
     benchmark: str      # the run's task: longbench, longbench_e, needle
     model: str = ""
@@ -205,12 +212,19 @@ class PairedRow:
     tasks_averaged: int = 0
 
     @property
+    def has_interval(self) -> bool:
+        return self.ci_low is not None and self.ci_high is not None
+
+    @property
     def noise(self) -> bool:
-        return self.ci_low <= 0.0 <= self.ci_high
+        return self.has_interval and self.ci_low <= 0.0 <= self.ci_high
 
     def csv_row(self) -> dict:
-        return {"setting": self.setting, "task": self.task, "delta": round(self.delta, 6), "ci_low": round(self.ci_low, 6),
-                "ci_high": round(self.ci_high, 6), "n": self.n}
+        def rounded(v):
+            return "" if v is None else round(v, 6)
+
+        return {"setting": self.setting, "task": self.task, "delta": round(self.delta, 6), "ci_low": rounded(self.ci_low),
+                "ci_high": rounded(self.ci_high), "n": self.n}
 
 
 CSV_FIELDS = ["setting", "task", "delta", "ci_low", "ci_high", "n"]
@@ -293,4 +307,6 @@ def pair_runs(runs: list, *, n_resamples: int = DEFAULT_RESAMPLES, seed: int = D
 
 
 def _row(ci: Interval, task: str, **kw) -> PairedRow:
-    return PairedRow(task=task, delta=ci.estimate, ci_low=ci.low, ci_high=ci.high, n=ci.n, **kw)
+    enough = ci.n >= MIN_INTERVAL_ITEMS
+    return PairedRow(task=task, delta=ci.estimate, ci_low=ci.low if enough else None, ci_high=ci.high if enough else None,
+                     n=ci.n, **kw)

@@ -50,23 +50,44 @@ def needle_heatmap(rows: list[dict], path: Path, *, title: str, score_key: str =
     return grid_heatmap(rows, path, title=title, score_key=score_key)
 
 
-def line_plot(series: dict[str, list[tuple[float, float]]], path: Path, *, title: str, xlabel: str, ylabel: str,
-              logx: bool = False) -> Path:
-    """One line per label; `series[label]` is a list of (x, y)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, points in sorted(series.items()):
-        points = sorted(p for p in points if p[1] is not None)
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def series_styles(n: int) -> list[dict]:
+    """`n` distinct line styles: colours of tab10 (tab20 past 10 series), each with its own marker, and past
+    20 series a line style as well, so no two series share colour, marker and line style."""
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    colours = cmap.N
+    return [{"color": cmap(i % colours), "marker": MARKERS[i % len(MARKERS)], "linestyle": LINESTYLES[(i // colours) % len(LINESTYLES)]}
+            for i in range(n)]
+
+
+def line_figure(series: dict[str, list[tuple[float, float]]], *, title: str, xlabel: str, ylabel: str, logx: bool = False):
+    """The figure of `line_plot` (not saved): one line per label, each its own colour and marker, the legend
+    to the right of the axes (never over the data)."""
+    drawn = {label: sorted(p for p in points if p[1] is not None) for label, points in sorted(series.items())}
+    drawn = {label: points for label, points in drawn.items() if points}
+    fig, ax = plt.subplots(figsize=(6 + (3.5 if drawn else 0), max(4.0, 0.22 * len(drawn) + 1)))
+    for (label, points), style in zip(drawn.items(), series_styles(len(drawn))):
+        ax.plot([p[0] for p in points], [p[1] for p in points], label=label, markersize=5, **style)
     if logx:
         ax.set_xscale("log", base=2)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if drawn:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    return fig
+
+
+def line_plot(series: dict[str, list[tuple[float, float]]], path: Path, *, title: str, xlabel: str, ylabel: str,
+              logx: bool = False) -> Path:
+    """One line per label; `series[label]` is a list of (x, y). See `line_figure`."""
+    fig = line_figure(series, title=title, xlabel=xlabel, ylabel=ylabel, logx=logx)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import REPO_ROOT
-from harness.paired import AVERAGE, CSV_FIELDS as PAIRED_FIELDS, NEEDLE, PairedRow, pair_runs
+from harness.paired import AVERAGE, CSV_FIELDS as PAIRED_FIELDS, MIN_INTERVAL_ITEMS, NEEDLE, PairedRow, pair_runs
 from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED
 from metrics.longbench_tasks import LONGBENCH_EN_TASKS
 
@@ -195,6 +195,9 @@ def method_setting(method: dict) -> tuple[str, str | None]:
     budget = method.get("budget")
     if isinstance(budget, list):
         return f"{base} per-layer", None
+    ratio = method.get("ratio")
+    if budget is None and ratio is not None:  # a fraction of each prompt (kvpress's convention): never a paper budget
+        budget = f"ratio {ratio:g}" if isinstance(ratio, (int, float)) else f"ratio {ratio}"
     details = []
     if name in ("snapkv", "pyramidkv"):
         details = [f"W{method.get('window_size')}", f"k{method.get('kernel_size')}", str(method.get("pooling"))]
@@ -206,6 +209,8 @@ def method_setting(method: dict) -> tuple[str, str | None]:
         details = [f"sinks {method.get('sink_tokens')}"]
     label = f"{base} {budget}" + (f" ({' '.join(details)})" if details else "")
     paper = None
+    if ratio is not None and method.get("budget") is None:
+        return label, None
     if name == "snapkv" and all(method.get(k) == v for k, v in PAPER_SNAPKV.items()):
         label, paper = f"SnapKV {budget}", f"SnapKV {budget}"
     elif name == "h2o" and method.get("gqa", "expand") == "expand":
@@ -490,7 +495,8 @@ def needle_rows(runs: list[Run]) -> list[dict]:
         s = run.data.get("summary") or {}
         rows.append({
             "model": run.model.get("name", "?"), "setting": label, "protocol": run.protocol,
-            "method_tag": run.data.get("method_tag"), "prompt_style": task_cfg.get("prompt_style"), "chat_format": run.model.get("chat_format"),
+            "method_tag": run.data.get("method_tag"), "prompt_style": (run.data.get("summary") or {}).get("prompt_style") or task_cfg.get("prompt_style"),
+            "chat_format": run.model.get("chat_format"), "grid": _grid(cells),
             "score_name": s.get("score_name", "score"), "device": run.device,
             "cells": len(cells), "failed_cells": len(failed), "first_failed_length": fail_lengths[0] if fail_lengths else None,
             "first_oom_length": oom[0] if oom else None,
@@ -505,6 +511,20 @@ def needle_rows(runs: list[Run]) -> list[dict]:
     rows.sort(key=lambda r: (r["model"], _protocol_rank(r["protocol"]), _setting_sort(r["setting"]), r["run"]))
     flag_duplicates(rows, ("model", "protocol", "method_tag", "prompt_style", "chat_format", "device"))
     return rows
+
+
+def _grid(cells: list[dict]) -> str:
+    """The cells a needle run's mean covers, e.g. `1K-4K x 5` (lengths x depths): means of other grids differ."""
+    lengths = sorted({int(c["length"]) for c in cells})
+    depths = {c.get("depth") for c in cells}
+    if not lengths:
+        return "–"
+    span = _k_or_n(lengths[0]) if len(lengths) == 1 else f"{_k_or_n(lengths[0])}-{_k_or_n(lengths[-1])} ({len(lengths)})"
+    return f"{span} x {len(depths)}"
+
+
+def _k_or_n(n: int) -> str:
+    return f"{n / 1024:g}K" if n % 256 == 0 and n >= 1024 else str(n)
 
 
 def _mean(values) -> float | None:
@@ -544,14 +564,20 @@ def needle_table(rows: list[dict], out: Path) -> str:
         retention = r["_run"].path.parent / "needle_retention.png"  # the fraction of the needle each method kept
         if retention.exists():
             shutil.copyfile(retention, heat_dir / f"{name}__retention.png")
-    series = {f"{r['model']} · {r['setting']}" + ("" if r["protocol"] == "query_aware" else f" · {_protocol_label(r['protocol'])}"):
-              sorted(_by_length(r["_cells"]).items()) for r in rows}
+    styles = {r["prompt_style"] for r in rows}
+    series: dict[str, list] = {}
+    for r in rows:  # one line per row: a label shared by two rows (other prompt, device, run) gets the run's path
+        label = (f"{r['model']} · {r['setting']}" + ("" if r["protocol"] == "query_aware" else f" · {_protocol_label(r['protocol'])}")
+                 + (f" · {r['prompt_style']}" if len(styles) > 1 else ""))
+        if label in series:
+            label = f"{label} ({r['run']})"
+        series[label] = sorted(_by_length(r["_cells"]).items())
     if any(series.values()):
         from harness.plots import line_plot
 
         line_plot(series, out / "needle_by_length.png", title="Needle: mean score per prompt length",
                   xlabel="prompt tokens", ylabel=rows[0]["score_name"], logx=True)
-    headers = ["Model", "Setting", "Protocol", "Prompt", "Chat", "Device", "Cells", *buckets, "Mean", "Strict acc.",
+    headers = ["Model", "Setting", "Protocol", "Prompt", "Chat", "Device", "Grid", "Cells", *buckets, "Mean", "Strict acc.",
                "All depths correct up to", "Failed cells (first at)", "Needle kept", "Heatmap"]
 
     def kept(r):  # mean fraction of the needle's tokens still cached after compression (needle_retention.png)
@@ -565,13 +591,16 @@ def needle_table(rows: list[dict], out: Path) -> str:
             links.append(f"[kept]({'needle/' + retention})")
         return " ".join(links) or "–"
 
-    body = [[r["model"], r["setting"], _protocol_label(r["protocol"]), r["prompt_style"], r["chat_format"], r["device"], r["cells"],
+    body = [[r["model"], r["setting"], _protocol_label(r["protocol"]), r["prompt_style"], r["chat_format"], r["device"], r["grid"], r["cells"],
              *[_fmt(r["buckets"].get(b), 3) for b in buckets], _fmt(r["mean_score"], 3), _fmt(r["strict_accuracy"], 3),
              _fmt(r["longest_all_strict"]), f"{r['failed_cells']}" + (f" ({r['first_failed_length']}{', OOM' if r['first_oom_length'] else ''})" if r["failed_cells"] else ""),
              kept(r), pictures(r)] for r in rows]
-    lines = ["## Needle in a haystack", "", markdown_table(headers, body, ["l"] * 6 + ["r"] * (len(buckets) + 6) + ["l"]), "",
+    lines = ["## Needle in a haystack", "", markdown_table(headers, body, ["l"] * 7 + ["r"] * (len(buckets) + 6) + ["l"]), "",
              f"- Score: {rows[0]['score_name']} of the needle's answer in the response (judge-free), mean per prompt-length "
              "bucket (tokens, template included); Strict acc.: share of cells with every key fact of the needle.",
+             "- Grid: the prompt lengths (how many) x the depths a run's cells cover. Mean and Strict acc. average a run's "
+             "own cells: compare them only between rows of the same grid, prompt and protocol (the length buckets and "
+             "paired_deltas.md compare on common cells).",
              "- All depths correct up to: the longest prompt length L such that every cell at every length <= L is strictly "
              "correct. Failed cells: cells with an error (OOM: out of memory), which have no score.",
              "- Needle kept: the mean fraction of the needle's tokens still in the cache after compression (over cells, "
@@ -767,14 +796,17 @@ def paired_table(rows: list[PairedRow], notes: list[str], n_resamples: int, seed
         task = {AVERAGE: f"Avg. ({r.tasks_averaged} task{'s' if r.tasks_averaged != 1 else ''})",
                 NEEDLE: "needle mean"}.get(r.task, SHORT_NAMES.get(r.task, r.task))
         body.append([r.model, method_setting(r.method)[0], _protocol_label(r.protocol), task, f"{r.delta:+.{digits}f}",
-                     f"[{r.ci_low:+.{digits}f}, {r.ci_high:+.{digits}f}]", r.n, "~ noise" if r.noise else "",
+                     f"[{r.ci_low:+.{digits}f}, {r.ci_high:+.{digits}f}]" if r.has_interval else f"n/a (n < {MIN_INTERVAL_ITEMS})",
+                     r.n, "~ noise" if r.noise else "",
                      f"`{r.setting}`", f"`{r.full_run}`"])
     lines = ["## Paired differences to the full cache", "",
              markdown_table(headers, body, ["l"] * 4 + ["r"] * 3 + ["l"] * 3), "",
              "- Δ vs full: mean over the items both runs finished of (setting − full cache), same model, task, protocol and "
              "task settings; LongBench in points (official metric x 100), needle in score units. n: paired items.",
              f"- 95% CI: percentile interval of {n_resamples} paired bootstrap resamples (items with replacement, seed {seed}); "
-             "Avg.: the mean of the task means, items resampled within each task. `~ noise`: the interval contains 0.",
+             "Avg.: the mean of the task means, items resampled within each task. `~ noise`: the interval contains 0. "
+             f"Fewer than {MIN_INTERVAL_ITEMS} paired items give no interval (n/a): their bootstrap has too few distinct "
+             "resampled means to mean anything.",
              "- Also as paired_deltas.csv (`setting` = the run directory, `task` = a LongBench task, `average` or `needle`)."]
     lines += [f"- {n}." for n in dict.fromkeys(notes)]
     return "\n".join(lines) + "\n"
@@ -827,7 +859,7 @@ def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_fi
     if n_rows:
         n_md = needle_table(n_rows, out)
         buckets = [k for k in n_rows[0] if k.startswith("bucket ")]
-        fields = ["model", "setting", "protocol", "method_tag", "prompt_style", "chat_format", "score_name", "device", "cells", *buckets,
+        fields = ["model", "setting", "protocol", "method_tag", "prompt_style", "chat_format", "score_name", "device", "grid", "cells", *buckets,
                   "mean_score", "strict_accuracy", "longest_all_strict", "max_length_done", "failed_cells", "first_failed_length",
                   "first_oom_length", "heatmap", "note", "run"]
         write_csv(out / "needle.csv", n_rows, fields)
@@ -867,6 +899,11 @@ def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_fi
     from harness.report_figures import report_sections  # observation figures (2-5) and the lines ablation (8)
 
     sections += report_sections(runs, out)
+    from harness.report_reuse import reuse_gap_section  # query-aware minus query-agnostic per (item, question)
+    sections += reuse_gap_section(runs, out, n_resamples=resamples, seed=seed)
+    from harness.report_ruler import ruler_sections  # RULER: tables per model and length, score vs compression ratio
+
+    sections += ruler_sections(runs, out, resamples=resamples, seed=seed)
 
     run_rows = []
     for run in runs:

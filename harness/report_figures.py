@@ -213,11 +213,14 @@ def _lines_setting(method: dict) -> str:
     name = method.get("name", "?")
     if name == "full":
         return "All KV"
+    budget = method.get("budget")
+    if budget is None and method.get("ratio") is not None:
+        budget = f"ratio {method['ratio']:g}" if isinstance(method["ratio"], (int, float)) else f"ratio {method['ratio']}"
     if name == "snapkv":
         k = method.get("kernel_size")
         pool = "no pooling" if k == 1 else f"{method.get('pooling')} k{k}"
-        return f"SnapKV {method.get('budget')} (W{method.get('window_size')}, {pool})"
-    return f"{name} {method.get('budget', '')}".strip()
+        return f"SnapKV {budget} (W{method.get('window_size')}, {pool})"
+    return f"{name} {budget if budget is not None else ''}".strip()
 
 
 def lines_section(runs, out: Path) -> str:

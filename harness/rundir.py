@@ -1,7 +1,10 @@
 """Everything a run writes lives in its run directory; this module owns how it is written.
 
 - `config.yaml`: the resolved config. A rerun in the same directory compares against it and refuses
-  when a key that changes results differs (unless `resume=false`, which starts the run afresh).
+  when a key that changes results differs (unless `resume=false`, which starts the run afresh). The
+  task's grid (`GRID_KEYS` of its module: lengths, depths, datasets, samples, ...) only chooses which
+  items run: records are per item, so a rerun with another grid reuses the items the directory holds,
+  computes the others, and summarises the grid it was asked; config.yaml then holds the latest grid.
 - `provenance.json`: versions, git commit, seed, device, command line of this session, and of the
   earlier sessions a resumed run was made of (`earlier_sessions`).
 - `*.jsonl`: per-item records, appended one line at a time and fsync'ed. On reopen a torn last line
@@ -50,6 +53,9 @@ log = logging.getLogger(__name__)
 NON_RESULT_KEYS = (
     "resume", "hydra", "progress", "methods", "task.log_prompts", "task.shard", "model.device_map", "task.data_dir",
     "method.block_size",  # H2O: query rows per block while accumulating; the scores are exact for any size
+    "task.prompt_style_by_chat_format",  # needle: how the default prompt_style is chosen; the resolved style is compared
+    "task.qa_data_dir",  # RULER qa: where the dev files are read from (as task.data_dir for LongBench)
+    "decode_together",  # batched or one-by-one decoding of a methods list: the same tokens (records say `decoded_with`)
 )
 SESSION_ID = uuid.uuid4().hex  # one per process: tells this session's provenance from earlier ones
 # Provenance fields that, when they change between the sessions of one resumed run, may change results.
@@ -283,16 +289,18 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
-def result_key_differences(old: dict, new: dict) -> list[str]:
+def result_key_differences(old: dict, new: dict, grid: Iterable[str] = ()) -> list[str]:
     """Keys whose values differ between two resolved configs, ignoring keys that don't change results
-    (NON_RESULT_KEYS, and the options the method ignores: `full`'s budget, window_size, ratio)."""
+    (NON_RESULT_KEYS, the options the method ignores: `full`'s budget, window_size, ratio, and `grid`:
+    the task options, e.g. "lengths", that only choose which items run)."""
     a, b = _flatten(old), _flatten(new)
     keys = sorted(set(a) | set(b))
-    skip = list(NON_RESULT_KEYS)
+    skip = [*NON_RESULT_KEYS, *(f"task.{k}" for k in grid)]
     if a.get("method.name") == b.get("method.name"):
         skip += [f"method.{k}" for k in noop_options(a.get("method.name"))]
     ignored = lambda k: any(k == n or k.startswith(n + ".") for n in skip)  # noqa: E731
-    return [k for k in keys if not ignored(k) and a.get(k, "<absent>") != b.get(k, "<absent>")]
+    # absent in one config and null in the other: the same (an option added since, at its null default)
+    return [k for k in keys if not ignored(k) and a.get(k) != b.get(k)]
 
 
 def describe_differences(old: dict, new: dict, keys: list[str], limit: int = 6) -> str:
@@ -376,8 +384,9 @@ class RunLock:
 class RunDir:
     """A run directory: validated config, provenance, resumable logs, final results."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, grid: Iterable[str] = ()):
         self.path = Path(path)
+        self.grid = tuple(grid)  # the task's GRID_KEYS: another grid resumes this directory
         self._existed: set[str] | None = None  # names present before prepare(); None until then
         self._created_config = False
         self._lock: RunLock | None = None
@@ -430,7 +439,7 @@ class RunDir:
                 old = OmegaConf.to_container(OmegaConf.load(stored), resolve=False)
             except Exception as exc:  # noqa: BLE001  (a hand-edited or truncated file)
                 raise HarnessError(f"{stored} is not a readable config ({type(exc).__name__}); delete it or rerun with resume=false") from None
-            diff = result_key_differences(old, resolved)
+            diff = result_key_differences(old, resolved, self.grid)
             if diff:
                 raise HarnessError(
                     f"{self.path} holds a run with a different config ({describe_differences(old, resolved, diff)}); "

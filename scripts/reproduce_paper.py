@@ -6,6 +6,7 @@
     python scripts/reproduce_paper.py --only needle,speed --launcher submitit_slurm
     python scripts/reproduce_paper.py --only modern         # Llama-3.1 / Qwen2.5 x 5 methods x budgets 128, 2048
     python scripts/reproduce_paper.py --only observation,lines   # Figures 2-5 (hit rates) and 8 (pooling ablation)
+    python scripts/reproduce_paper.py --only ruler          # kvpress's RULER leaderboard setting (ruler_cpu: on a CPU)
     python scripts/reproduce_paper.py --smoke               # the whole plan in miniature on a CPU (a few minutes)
 
 Each part is one or more Hydra experiments (conf/experiment/*.yaml), each run as a multirun
@@ -63,6 +64,11 @@ PARTS: dict[str, Part] = {
                         ("paper_observation",), "one 24-80 GB GPU", longbench=True),
     "lines": Part("SnapKV Figure 8: LongEval-Lines pooling ablation, Mistral-7B-Instruct-v0.2, SnapKV W=16 max pooling k=5 "
                   "vs none, 5K-30K tokens x 11 positions", ("paper_lines",), "one 40-80 GB GPU"),
+    "ruler": Part("kvpress's RULER leaderboard setting: Llama-3.1-8B-Instruct, Qwen3-8B, RULER 4K (11 synthetic tasks x 500), "
+                  "query-agnostic, full + SnapKV/PyramidKV/StreamingLLM/H2O at compression ratios 0.25/0.5/0.75/0.875",
+                  ("ruler_leaderboard",), "one 40-80 GB GPU (Llama-3.1 is gated: HF_TOKEN)"),
+    "ruler_cpu": Part("RULER on a CPU: SmolLM2-135M, RULER 4K (11 synthetic tasks x 10), both protocols, full + "
+                      "SnapKV/PyramidKV/StreamingLLM/H2O at compression ratios 0.25/0.5/0.75", ("ruler_cpu",), "CPU (hours)"),
 }
 DEFAULT_PARTS = ("longbench", "needle", "speed")
 SMOKE_PARTS: dict[str, Part] = {
@@ -72,6 +78,7 @@ SMOKE_PARTS: dict[str, Part] = {
     "speed": Part("smoke speed + maximum length: tiny-random, batch 2, full/SnapKV C=128", ("smoke_speed", "smoke_maxlen"), "CPU"),
     "observation": Part("smoke observation: SmolLM2-135M, windows of 16, haystack + fixture qmsum", ("smoke_observation",), "CPU"),
     "lines": Part("smoke lines: SmolLM2-135M, 2 lengths x 2 positions, SnapKV C=128 max pooling k=5 vs none", ("smoke_lines",), "CPU"),
+    "ruler": Part("smoke RULER: SmolLM2-135M, 1024 tokens, niah_single_1 + vt x 2 samples, full/SnapKV ratio 0.5", ("ruler_smoke",), "CPU"),
 }
 LAUNCHERS = ("basic", "joblib", "submitit_local", "submitit_slurm")
 
@@ -231,6 +238,11 @@ def describe(config: dict) -> str:
         bits += [f"method={method.get('tag')}", "task=lines",
                  f"lengths={len(lengths)} ({min(lengths)}..{max(lengths)})" if lengths else "lengths=?",
                  f"positions={task.get('positions')}", f"samples={task.get('samples')}"]
+    elif name == "ruler":
+        bits += [f"method={method.get('tag')}", "task=ruler", f"tasks={len(task.get('tasks') or [])}",
+                 f"lengths={task.get('lengths')}", f"samples={task.get('samples')}",
+                 f"protocol={'query_aware' if task.get('query_aware', True) else 'query_agnostic'}",
+                 f"template={task.get('template')}"]
     elif name == "bench":
         labels = [m.get("label") for m in task.get("methods") or []]
         bits += ["task=bench", f"methods={','.join(map(str, labels))}", f"batch={task.get('batch_size')}",

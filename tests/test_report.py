@@ -573,3 +573,60 @@ def test_paired_prefers_a_scored_sibling_full_run(tmp_path):
     md = (tmp_path / "t" / "paired_deltas.md").read_text()
     assert "`c/snapkv`: 3 full-cache runs match; paired with `a/full`" in md
     assert "`b/snapkv`: 3 full-cache runs match; paired with `b/full`" in md
+
+
+def test_ratio_settings_are_labelled_with_their_ratio():
+    from harness.report_figures import _lines_setting
+
+    ratio = {**SNAPKV_PAPER, "budget": None, "ratio": 0.25, "layer_budgets": None}
+    assert method_setting(ratio) == ("SnapKV ratio 0.25 (W32 k7 maxpool)", None)  # never the paper's SnapKV 1024 column
+    assert method_setting({"name": "h2o", "budget": None, "ratio": 0.2, "window_size": None}) == ("H2O ratio 0.2 (WNone)", None)
+    assert _lines_setting({"name": "snapkv", "budget": None, "ratio": 0.5, "window_size": 16, "kernel_size": 1}) == \
+        "SnapKV ratio 0.5 (W16, no pooling)"
+    assert "None" not in _lines_setting({"name": "streamingllm", "budget": None, "ratio": 0.1})
+
+
+def test_line_plot_gives_every_series_its_own_style_and_keeps_the_legend_off_the_data():
+    import matplotlib.pyplot as plt
+
+    from harness.plots import line_figure
+
+    series = {f"model · setting {i}": [(1024, i / 12), (2048, i / 13), (4096, None)] for i in range(12)}
+    fig = line_figure(series, title="t", xlabel="x", ylabel="y", logx=True)
+    try:
+        ax = fig.axes[0]
+        styles = [(tuple(line.get_color()), line.get_marker(), line.get_linestyle()) for line in ax.get_lines()]
+        assert len(styles) == 12 and len(set(styles)) == 12
+        assert len({c for c, _, _ in styles}) == 12  # 12 series: 12 colours (tab20), not tab10's cycle repeating
+        fig.canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        assert legend.x0 >= ax.get_window_extent().x1  # right of the axes: it covers no data
+    finally:
+        plt.close(fig)
+
+
+def test_paired_rows_below_the_minimum_items_show_no_interval(tmp_path):
+    from harness.paired import MIN_INTERVAL_ITEMS
+
+    outputs = tmp_path / "outputs"
+    snap = {"name": "snapkv", "budget": 1024, "window_size": 16, "kernel_size": 5, "pooling": "maxpool", "gqa": "expand"}
+    for depths in ([50], [0, 25, 50, 75, 100]):
+        for rel, method, score in (("full", FULL, 1.0), ("snapkv", snap, 0.5)):
+            data = needle_results("lwm-text-chat-1m", method, rel, [(1000, d, score, score == 1.0) for d in depths])
+            data["config"]["task"].update(lengths=[1000], depths=depths)
+            write(outputs, f"needle/n{len(depths)}/{rel}", data)
+    out = tmp_path / "tables"
+    build(outputs, out, resamples=200, seed=0)
+    rows = paired(out)
+    one, five = rows[("needle/n1/snapkv", "needle")], rows[("needle/n5/snapkv", "needle")]
+    assert MIN_INTERVAL_ITEMS == 5
+    assert (one["n"], float(one["delta"]), one["ci_low"], one["ci_high"]) == ("1", -0.5, "", "")
+    assert five["n"] == "5" and float(five["ci_low"]) == float(five["ci_high"]) == -0.5  # every item differs by -0.5
+    md = (out / "paired_deltas.md").read_text()
+    line = next(x for x in md.splitlines() if "`needle/n1/snapkv`" in x)
+    assert "n/a (n < 5)" in line and "~ noise" not in line and "[" not in line.split("|")[6]
+    assert "Fewer than 5 paired items give no interval" in md
+    # the needle table says which grid each mean covers: 1 cell and 5 cells are not one comparison
+    grids = {r["run"]: (r["grid"], r["cells"]) for r in read_csv(out / "needle.csv")}
+    assert grids["needle/n1/snapkv"] == ("1000 x 1", "1") and grids["needle/n5/full"] == ("1000 x 5", "5")
+    assert "| Grid | Cells |" in (out / "needle.md").read_text()

@@ -117,6 +117,17 @@ def test_modern_set_as_pyramidkv_reports_it(method):
 
 # ------------------------------------------------------------------------------------------ the plan
 
+def test_ruler_leaderboard_is_kvpress_setting():
+    # kvpress's compression ratios 0.25/0.5/0.75/0.875 are fractions removed: our ratios (kept) 0.75/0.5/0.25/0.125
+    cfg = compose("+experiment=ruler_leaderboard")
+    assert cfg.task.name == "ruler" and list(cfg.task.lengths) == [4096] and cfg.task.query_aware is False
+    assert cfg.task.samples == 500 and len(cfg.task.tasks) == 11
+    ratios = {(m["name"], m["ratio"]) for m in cfg.methods if not isinstance(m, str)}
+    assert ratios == {(n, r) for n in ("snapkv", "pyramidkv", "streamingllm", "h2o") for r in (0.75, 0.5, 0.25, 0.125)}
+    [exp] = rp.plan(rp.PARTS, ["ruler"], Path("/nonexistent/runs"), models=None, extra=[], longbench_data=None)
+    assert {j.sweep["model"] for j in exp.jobs} == {"llama-3.1-8b-instruct", "qwen3-8b"} and len(exp.jobs) == 34
+
+
 def test_dry_run_counts_every_run(tmp_path):
     proc = run_script("--dry-run", "--out", str(tmp_path / "runs"))
     assert proc.returncode == 0, proc.stderr
@@ -130,7 +141,8 @@ def test_dry_run_counts_every_run(tmp_path):
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
 
     proc = run_script("--dry-run", "--only", "all", "--launcher", "submitit_slurm", "--out", str(tmp_path / "runs"))
-    assert total(proc.stdout) == (45, {"longbench": 20, "needle": 1, "speed": 2, "modern": 18, "observation": 2, "lines": 2})
+    assert total(proc.stdout) == (105, {"longbench": 20, "needle": 1, "speed": 2, "modern": 18, "observation": 2, "lines": 2,
+                                        "ruler": 34, "ruler_cpu": 26})
     assert "hydra/launcher=submitit_slurm" in proc.stdout
     proc = run_script("--dry-run", "--only", "longbench", "--only", "needle", "--models", "mistral-7b-instruct-v0.2",
                       "--out", str(tmp_path / "runs"))

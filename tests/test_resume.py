@@ -88,6 +88,37 @@ def test_keys_that_do_not_change_results_are_ignored():
         assert key in rundir.NON_RESULT_KEYS
 
 
+def test_the_task_grid_is_not_a_difference():
+    """A task's GRID_KEYS only choose which items run: another grid resumes the directory, anything else is compared."""
+    from harness.tasks import lines, longbench, needle
+
+    assert needle.GRID_KEYS == ("lengths", "depths") and lines.GRID_KEYS == ("lengths", "positions", "samples")
+    assert longbench.GRID_KEYS == ("datasets", "limit")
+    base = _resolved("method=snapkv")
+    other_grid = _resolved("method=snapkv", "task.depths=[5]", "task.lengths=[128,8192]")
+    assert result_key_differences(base, other_grid, needle.GRID_KEYS) == []
+    assert result_key_differences(base, other_grid) == ["task.depths", "task.lengths"]
+    assert result_key_differences(base, _resolved("method=snapkv", "task.depths=[5]", "seed=1"), needle.GRID_KEYS) == ["seed"]
+    # a run directory of the code before the default prompt style followed the model: the resolved style is compared
+    older = {**base, "task": {k: v for k, v in base["task"].items() if k != "prompt_style_by_chat_format"}}
+    assert result_key_differences(older, base) == []
+    assert result_key_differences(older, _resolved("method=snapkv", "task.prompt_style=completion")) == ["task.prompt_style"]
+
+
+def test_rundir_with_a_grid_resumes_another_grid_and_refuses_the_rest(tmp_path):
+    cfg = compose("model=tiny-random", "method=snapkv")
+    RunDir(tmp_path, grid=("lengths", "depths")).prepare(cfg, resume=True)
+    (tmp_path / "needle_cells.jsonl").write_text(_line({"length": 1, "depth": 0.0, "_code": code_version()}))
+    sub = compose("model=tiny-random", "method=snapkv", "task.lengths=[2048]", "task.depths=[50]")
+    RunDir(tmp_path, grid=("lengths", "depths")).prepare(sub, resume=True)  # accepted; config.yaml holds the latest grid
+    assert "- 2048" in (tmp_path / "config.yaml").read_text() and (tmp_path / "needle_cells.jsonl").exists()
+    with pytest.raises(HarnessError, match=r"holds a run with a different config \(task.depths: \[50\] -> "):
+        RunDir(tmp_path).check(cfg, resume=True)  # without the task's grid keys: refused as before
+    with pytest.raises(HarnessError, match=r"different config \(task.prompt_style: "):
+        RunDir(tmp_path, grid=("lengths", "depths")).check(compose("model=tiny-random", "method=snapkv",
+                                                                   "task.prompt_style=storybook"), resume=True)
+
+
 def test_rundir_refuses_another_config_unless_resume_false(tmp_path):
     cfg = compose("model=tiny-random", "method=snapkv")
     run = RunDir(tmp_path)

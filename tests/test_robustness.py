@@ -61,6 +61,11 @@ BAD_INPUTS = [
     ("methods-unknown-option", ["methods=[full,{name: snapkv, budgett: 3}]"], r"error: methods\[1\]: method 'snapkv' has no option 'budgett'", False),
     ("methods-bad-setting", ["methods=[full,{name: snapkv, budget: 16, window_size: 16}]"],
      r"error: method\.budget=16 must be larger than method\.window_size=16", False),
+    ("mistyped-method-option", ["method=snapkv", "method.budgt=256"],
+     r"error: method snapkv has no option 'budgt' \(did you mean method\.budget\?\); its options: budget, ratio, window_size, "
+     r"kernel_size, pooling, gqa$", False),
+    ("protocol-option-not-applied", ["task=observation_cpu", "model.prefill_chunk_size=64"],
+     r"error: task=observation does not apply model\.prefill_chunk_size=64 \(it prefills in one forward\); drop it", False),
     ("resume-value", ["resume=maybe"], r"error: resume='maybe' is not one of true, false, force", False),
     ("depth-above-100", ["task.depths=[101]"], r"error: task\.depths: 101 is outside \[0, 100\]", False),
     ("empty-lengths", ["task.lengths=[]"], r"error: task\.lengths is empty", False),

@@ -37,7 +37,9 @@ class LayerStats:
     method of the run asked for; a method slices its own. `column_sums`: (B, Hq, L) float32, the causal
     softmax attention every prompt query gave every position, summed over the queries (H2O), present
     when a method asked for it. `scaling`: the attention module's softmax scale (1/sqrt(d) for most
-    families; Gemma's query_pre_attn_scalar differs). `shared`: scores already computed for this layer,
+    families; Gemma's query_pre_attn_scalar differs). `module` and `rotary`: the layer's attention
+    module and its rotary embedding at any positions (for methods that model future queries or weigh
+    values by the output projection). `shared`: scores already computed for this layer,
     keyed by `ScoredMethod.score_key()`, so methods with the same scoring (all the budgets of one
     SnapKV setting, PyramidKV with SnapKV's window) compute it once.
     """
@@ -48,6 +50,10 @@ class LayerStats:
     column_sums: torch.Tensor | None = None
     scaling: float | None = None
     shared: dict = field(default_factory=dict)
+    # The layer's attention module (o_proj for value-output norms, head counts, config) and the model's
+    # rotary embedding for this layer: `rotary(positions)` -> (cos, sin), each (n, head_dim) float32.
+    module: object = None
+    rotary: object = None
 
     def window_queries(self, window: int | None) -> torch.Tensor:
         if window is None:
@@ -58,11 +64,15 @@ class LayerStats:
 @dataclass
 class Selection:
     """One layer's compressed cache: keys/values (B, H, kept, d) and the prompt position of every kept
-    entry (B, H, kept), ascending; `positions` is None when the layer was kept whole."""
+    entry (B, H, kept), ascending (padding -1 after a head's count when `counts` is given); `positions`
+    is None when the layer was kept whole."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor | None = None
+    # Per-head budgets: how many of the (B, H, n_max) entries each head keeps (B, H); the rest is padding
+    # (positions -1) and the engine stores the layer ragged (harness/methods/ragged.py). None: every head keeps n.
+    counts: torch.Tensor | None = None
 
 
 @dataclass
@@ -74,6 +84,11 @@ class CompressionMethod:
     query_window: ClassVar[int | None] = 0
     # Whether `select` needs LayerStats.column_sums (the attention every position received).
     needs_column_sums: ClassVar[bool] = False
+    # Methods that allocate budgets across layers (CAKE): the engine calls `summarize` per layer, holds the
+    # layers, and calls `finish` once after the last layer instead of `select` per layer.
+    across_layers: ClassVar[bool] = False
+    # False: the method cannot run on models with sliding-window layers (refused before the prefill).
+    supports_sliding_layers: ClassVar[bool] = True
 
     @property
     def compresses(self) -> bool:
@@ -91,6 +106,16 @@ class CompressionMethod:
 
     def select(self, keys: torch.Tensor, values: torch.Tensor, stats: LayerStats) -> Selection:
         return Selection(keys, values)
+
+    def summarize(self, keys: torch.Tensor, values: torch.Tensor, stats: LayerStats):
+        """(across_layers methods) What `finish` needs of one layer, computed while its statistics exist."""
+        raise NotImplementedError
+
+    def finish(self, summaries: dict, layers: dict, num_layers: int, context=None) -> dict:
+        """(across_layers methods) {layer: Selection} from every compressed layer's summary and (keys, values),
+        after the forward that compressed; `context` (engine.FinishContext) gives the model, the ids, the
+        tokenizer and a way to replay tokens over the full cache."""
+        raise NotImplementedError
 
     def compress(self, layer_idx: int, num_layers: int, queries, keys, values):
         """`select` on one layer from its queries (the engine's path captures them instead); returns keys, values."""

@@ -8,16 +8,22 @@ How it works, without copying or replacing any model's forward:
    (mask builders, the flash-kernel loader) sees the real implementation. The swap is undone when
    the last block using it exits.
 2. While the compressed part of the prompt is prefilled (in one forward or in chunks), the observer
-   captures per layer what the methods asked for: the last `window` queries after RoPE (the largest
-   window of any method), and H2O's accumulated attention (column sums, chunk by chunk). It never
-   changes what prefill attention computes.
+   captures, on every layer a method may compress (never on sliding-window layers), what the methods
+   asked for: the last `window` queries after RoPE (the largest window of any method; all of them for
+   a method with window None), and H2O's accumulated attention (column sums, chunk by chunk). It
+   never changes what prefill attention computes.
 3. A forward hook on each attention module runs right after that layer's attention in the forward
    that ends the compressed part: it hands the layer's cached keys/values and the captured statistics
    to every method, each builds its compressed layer (scores shared between methods that score
-   alike), and the full layer is dropped unless `full` is compared too. The full-length cache of all
-   layers therefore never exists at once in a one-shot prefill.
+   alike), and the full layer is dropped unless `full` is compared too: replaced by a new empty
+   tensor, so its storage is freed (a zero-length view would keep it). The full-length cache of all
+   layers therefore never exists at once in a one-shot prefill. Methods that allocate across layers
+   (CAKE, KVzip: `across_layers`) summarise each layer there and hold it; once the model's forward
+   has finished, they select every layer at once (KVzip first replays text over a copy of the full
+   cache: `FinishContext.replay`).
 4. Layers with a sliding window keep their own bounded cache and are not compressed (the model's own
-   rule already bounds them; kvpress does the same for Gemma 3).
+   rule already bounds them). kvpress 0.5.5 does the same only for its multimodal Gemma 3 class; on the
+   text-only Gemma3ForCausalLM it hooks every layer and cuts the sliding ones too (docs/methods.md).
 5. After compression, every layer's stored entries are the kept prompt positions followed by the
    tokens appended since; the observer gives each continuing forward (the question prefilled on top
    of the compressed cache, decode steps) the mask that layout needs: a single query sees every
@@ -27,7 +33,9 @@ How it works, without copying or replacing any model's forward:
 With `gqa=expand` a compressed layer holds one entry per query head (the official SnapKV layout); its
 cache layer object gets a subclass that expands later tokens' keys/values the same way (no closure,
 so no reference cycle: an item's caches are freed as soon as the item drops them), and attention is
-told the keys are already per query head.
+told the keys are already per query head. With per-head budgets (AdaKV, KVzip: a Selection with
+`counts`) a layer is stored ragged: one flat key/value head holding only the kept entries, and the
+observer hands attention a per-head mask (harness/methods/ragged.py).
 
 `attention_probe(model, callback)` shares the same observer: `callback(module, query, key)` sees
 every attention call (observation experiments, diagnostics).
@@ -36,6 +44,8 @@ every attention call (observation experiments, diagnostics).
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -46,6 +56,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from harness.errors import HarnessError
+from harness.methods import ragged
 from harness.methods.base import CompressionMethod, LayerStats, Selection, repeat_kv
 
 
@@ -63,13 +74,13 @@ def attention_modules(model) -> list[torch.nn.Module]:
 # --------------------------------------------------------------------------- the observer and its install
 
 
-class _KeysPerQueryHead:
-    """Proxy of an attention module whose cached keys are already expanded to the query heads."""
+class _WithGroups:
+    """Proxy of an attention module whose cached keys have another head layout than the model's: keys
+    already expanded to the query heads (groups 1) or one flat ragged key head (groups = query heads)."""
 
-    num_key_value_groups = 1
-
-    def __init__(self, module):
+    def __init__(self, module, groups: int):
         self._module = module
+        self.num_key_value_groups = groups
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -94,8 +105,9 @@ def _observer(implementation: str, original):
         for probe in getattr(module, "_kvharness_probes", ()):
             probe(module, query, key)
         fn = original if original is not _ABSENT else _eager_function(module)
-        if key.shape[1] == query.shape[1] and getattr(module, "num_key_value_groups", 1) > 1:
-            module = _KeysPerQueryHead(module)
+        groups = query.shape[1] // key.shape[1]
+        if groups != getattr(module, "num_key_value_groups", 1):
+            module = _WithGroups(module, groups)
         return fn(module, query, key, value, attention_mask, *args, **kwargs)
 
     attention._kvharness_observer = True
@@ -166,9 +178,14 @@ def _expanded_class(base: type) -> type:
     return _EXPANDED_CLASSES[base]
 
 
-def _set_layer(layer, selection: Selection) -> None:
+def _set_layer(layer, selection: Selection, layer_idx: int) -> None:
     """Store a selection in a cache layer object (in place)."""
     heads_before = layer.keys.shape[1]
+    if selection.counts is not None:  # per-head budgets: a ragged layer holding only what each head keeps
+        keys, values, owner, order = ragged.flatten(selection.keys, selection.values, selection.positions, selection.counts)
+        heads = selection.keys.shape[1]
+        ragged.set_ragged(layer, layer_idx, keys, values, owner, order, heads, max(heads // heads_before, 1))
+        return
     layer.keys, layer.values = selection.keys.contiguous(), selection.values.contiguous()
     heads = selection.keys.shape[1]
     if heads != heads_before:
@@ -205,6 +222,8 @@ class MethodState:
     method: CompressionMethod
     layers: dict[int, LayerRecord] = field(default_factory=dict)
     selections: dict[int, Selection] = field(default_factory=dict)  # held until its cache is built
+    deferred: dict[int, tuple] = field(default_factory=dict)  # across-layer methods: (keys, values, summary) per layer
+    extra: dict = field(default_factory=dict)  # what a method adds to its item's diagnostics (extra forwards, ...)
 
     # The single-method view the tests and tasks read: layer -> (heads, length).
     @property
@@ -219,8 +238,13 @@ class MethodState:
 class Session:
     """One item's compression: the methods, what was captured, and what each method kept."""
 
-    def __init__(self, modules, methods: list[tuple[str, CompressionMethod]], keep_full: bool):
+    def __init__(self, modules, methods: list[tuple[str, CompressionMethod]], keep_full: bool,
+                 never_compressed: set[int] = frozenset(), rotary=None):
         self.modules = modules
+        # Layers with their own sliding window: the model bounds their cache, no method compresses them,
+        # so nothing is captured there (no queries, no column sums: no O(L^2) work on them either).
+        self.never_compressed = set(never_compressed)
+        self.rotary = rotary  # (layer_idx, positions) -> (cos, sin), or None
         self.num_layers = len(modules)
         self.states = {tag: MethodState(tag, m) for tag, m in methods}
         self.keep_full = keep_full
@@ -236,6 +260,10 @@ class Session:
         # prefill); otherwise set to True by the caller for the forward that ends the compressed part.
         self.compress_now: bool | None = None
         self.flash = False  # flash kernels align a causal mask bottom-right themselves
+        self.finished = False  # across-layer methods have selected (after the compressing forward)
+        self.replaying = None  # observe(module, query, key) while a method replays tokens over the full cache
+        self.context_ids: list[torch.Tensor] = []
+        self.tokenizer = None
 
     # The single-method view (tests): `with compression(model, m) as state: state.after`.
     @property
@@ -252,11 +280,23 @@ class Session:
     def on_attention(self, module, query, key, mask):
         idx = module.layer_idx
         q_len, k_len = query.shape[2], key.shape[2]
+        if self.replaying is not None:
+            self.replaying(module, query, key)
+            return mask
         if idx in self.compressed:
+            per_head = ragged.pending_mask(idx, query)
+            if per_head is not None:
+                if self.flash:
+                    raise HarnessError("per-head budgets (a ragged cache layer) need a per-head attention mask, which "
+                                       "FlashAttention does not take: use model.attn_implementation=sdpa or eager")
+                return per_head
             if self.sliding.get(idx, False) or self.flash:
                 return mask  # a sliding layer's own bounded cache, or flash's bottom-right causal alignment: right as is
             return None if q_len == 1 else causal_suffix_mask(q_len, k_len, query)
         if not self.states or (self.compress_now is None and q_len != k_len):
+            return mask
+        if idx in self.never_compressed:
+            self.queries[idx] = None  # marks the layer as prefilled in this part; nothing to capture
             return mask
         if self.window is None:
             self.queries[idx] = query if idx not in self.queries else torch.cat([self.queries[idx], query], dim=2)
@@ -287,27 +327,64 @@ class Session:
         layer = cache.layers[idx]
         queries, sums = self.queries.pop(idx), self.sums.pop(idx, None)
         self.compressed.add(idx)
-        self.sliding[idx] = bool(getattr(layer, "is_sliding", False))
+        self.sliding[idx] = idx in self.never_compressed or bool(getattr(layer, "is_sliding", False))
         keys, values = layer.keys, layer.values
         shape = tuple(keys.shape[1:3])
         if self.sliding[idx]:
             for state in self.states.values():
                 state.layers[idx] = LayerRecord(shape, shape, None, False, "sliding_window")
+        else:
+            rotary = None if self.rotary is None else (lambda positions, _i=idx: self.rotary(_i, positions))
+            stats = LayerStats(idx, self.num_layers, queries=queries, column_sums=sums,
+                               scaling=getattr(module, "scaling", None), module=module, rotary=rotary)
+            for state in self.states.values():
+                if state.method.across_layers:  # decides once every layer is summarised (holds this layer until then)
+                    state.deferred[idx] = (keys, values, state.method.summarize(keys, values, stats))
+                else:
+                    self._store(state, idx, layer, state.method.select(keys, values, stats), keys, values)
+            del stats
+            if not self.in_place and not self.keep_full:  # the full layer is no longer needed by anyone:
+                # fresh empty tensors (a zero-length slice would be a view holding the whole storage)
+                layer.keys, layer.values = _empty_sequence(keys), _empty_sequence(values)
+        return None
+
+    def _store(self, state: MethodState, idx: int, layer, sel: Selection, keys, values) -> None:
+        """Record what `state`'s method kept of layer `idx` and store it (in the one cache, or for cache_for)."""
+        compressed = sel.positions is not None
+        if compressed:  # a view of the full layer would keep all of its storage alive
+            sel = dataclasses.replace(sel, keys=_own_storage(sel.keys, keys), values=_own_storage(sel.values, values))
+        state.layers[idx] = LayerRecord(tuple(keys.shape[1:3]), tuple(sel.keys.shape[1:3]), sel.positions, compressed,
+                                        None if compressed else "short_prompt")
+        if not self.in_place:
+            state.selections[idx] = sel
+        elif compressed:
+            _set_layer(layer, sel, idx)
+
+    def before_forward(self, model, args, kwargs):
+        """Model-level pre-hook: the ids of the compressed part (reconstruction-based methods replay them)."""
+        if self.replaying is None and not self.finished:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if ids is not None:
+                self.context_ids.append(ids)
+
+    def after_forward(self, model, args, kwargs, output):
+        """Model-level hook: after the forward that compressed, methods that allocate across layers select
+        every layer they held (their statistics may need more forwards: `replay`)."""
+        if self.replaying is not None or self.finished or not self.compressed:
             return None
-        stats = LayerStats(idx, self.num_layers, queries=queries, column_sums=sums, scaling=getattr(module, "scaling", None))
+        self.finished = True
+        cache = _find_cache(args, kwargs)
         for state in self.states.values():
-            sel = state.method.select(keys, values, stats)
-            compressed = sel.positions is not None
-            state.layers[idx] = LayerRecord(shape, tuple(sel.keys.shape[1:3]), sel.positions, compressed,
-                                            None if compressed else "short_prompt")
-            if self.in_place:
-                if compressed:
-                    _set_layer(layer, sel)
-            else:
-                state.selections[idx] = sel
-        del stats
-        if not self.in_place and not self.keep_full:  # the full layer is no longer needed by anyone
-            layer.keys, layer.values = keys[..., :0, :], values[..., :0, :]
+            if state.deferred:
+                held = dict(sorted(state.deferred.items()))
+                state.deferred.clear()
+                context = FinishContext(self, model, cache, held, torch.cat(self.context_ids, dim=1), self.tokenizer, state)
+                selections = state.method.finish({i: summary for i, (_, _, summary) in held.items()},
+                                                 {i: (k, v) for i, (k, v, _) in held.items()}, self.num_layers, context)
+                for i, (keys, values, _) in held.items():
+                    self._store(state, i, cache.layers[i], selections[i], keys, values)
+                del held, selections, context
+        self.context_ids.clear()
         return None
 
     def cache_for(self, tag: str, shared: Cache) -> Cache:
@@ -322,9 +399,82 @@ class Session:
             own = copy.copy(layer)  # shallow: the same tensors, its own counters
             sel = state.selections.pop(idx, None)
             if sel is not None:
-                _set_layer(own, sel)
+                _set_layer(own, sel, idx)
             cache.layers.append(own)
         return cache
+
+
+def _own_storage(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or a copy of it when it is a view into `full`'s storage."""
+    return t.clone() if t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() else t
+
+
+def _empty_sequence(t: torch.Tensor) -> torch.Tensor:
+    """A new (B, H, 0, d) tensor like `t`: no storage of `t` is kept."""
+    return t.new_empty((*t.shape[:2], 0, t.shape[3]))
+
+
+def sliding_layers(model) -> set[int]:
+    """Layers whose cache the model bounds with its own sliding window (the layers DynamicCache(config)
+    makes sliding): never compressed."""
+    try:
+        flags = DynamicCache(config=model.config).is_sliding
+    except (TypeError, ValueError, AttributeError):  # a config DynamicCache cannot read: decide per cache layer
+        return set()
+    return {i for i, sliding in enumerate(flags) if sliding}
+
+
+def rotary_of(model):
+    """`(layer_idx, positions) -> (cos, sin)`, each (n, head_dim) float32, from the model's own rotary
+    embedding (per layer type where the model has several, Gemma 3); None for a model without one."""
+    rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
+    if rotary is None:
+        return None
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None)
+
+    def at(layer_idx: int, positions: torch.Tensor):
+        pos = positions.reshape(1, -1).to(dtype=torch.long)
+        probe = torch.zeros(1, dtype=torch.float32, device=pos.device)
+        cos, sin = rotary(probe, pos, layer_types[layer_idx]) if per_type else rotary(probe, pos)
+        return cos[0].float(), sin[0].float()
+
+    return at
+
+
+@dataclass
+class FinishContext:
+    """What an across-layer method's `finish` may use besides the layers: the model, the compressed part's
+    ids (1, L), the tokenizer, and `replay` to run more tokens over a copy of the full cache."""
+
+    session: "Session"
+    model: object
+    cache: Cache
+    held: dict
+    ids: torch.Tensor
+    tokenizer: object
+    state: MethodState
+
+    def replay(self, input_ids: torch.Tensor, start: int, observe) -> None:
+        """One forward of `input_ids` (1, n) at true positions start.. over a copy of the full cache (the
+        held layers; the cache the run decodes from is not touched), calling `observe(module, query, key)`
+        in every layer's attention (query after RoPE, key = the full cache plus these tokens)."""
+        from harness.decoding import forward_tokens
+
+        replay_cache = copy.copy(self.cache)
+        replay_cache.layers = []
+        for i, layer in enumerate(self.cache.layers):
+            own = copy.copy(layer)
+            if i in self.held:
+                own.keys, own.values = self.held[i][0], self.held[i][1]
+            replay_cache.layers.append(own)
+        self.session.replaying = observe
+        try:
+            forward_tokens(self.model, replay_cache, input_ids, start)
+        finally:
+            self.session.replaying = None
+        del replay_cache
 
 
 def _find_cache(args, kwargs) -> Cache | None:
@@ -348,7 +498,7 @@ def _check_supported(modules, methods) -> None:
 
 
 @contextmanager
-def compression(model, methods, *, keep_full: bool = False):
+def compression(model, methods, *, keep_full: bool = False, tokenizer=None):
     """Install methods on `model` inside the block; yields the `Session`.
 
     `methods`: one method (the simple case: it compresses the model's one cache in place during the
@@ -358,20 +508,29 @@ def compression(model, methods, *, keep_full: bool = False):
         methods = [] if methods is None or not methods.compresses else [(methods.name, methods)]
     modules = attention_modules(model)
     compressing = [(t, m) for t, m in methods if m.compresses]
-    session = Session(modules, compressing, keep_full)
+    session = Session(modules, compressing, keep_full, sliding_layers(model) if compressing else set(),
+                      rotary_of(model) if compressing else None)
     session.flash = "flash" in str(model.config._attn_implementation)
+    session.tokenizer = tokenizer
     if not compressing:
         yield session
         return
     if not modules:
         raise HarnessError(f"no attention modules found in {type(model).__name__}; this model family is not supported")
     _check_supported(modules, compressing)
+    refusing = sorted({m.name for _, m in compressing if not m.supports_sliding_layers})
+    if refusing and session.never_compressed:
+        raise HarnessError(f"{', '.join(refusing)} cannot run on a model with sliding-window layers "
+                           f"({type(model).__name__}: layers {sorted(session.never_compressed)}); use another method")
     handles = []
     with _observing(model):
         try:
             for m in modules:
                 m._kvharness_session = session
                 handles.append(m.register_forward_hook(session.after_attention, with_kwargs=True))
+            if any(m.across_layers for _, m in compressing):
+                handles.append(model.register_forward_pre_hook(session.before_forward, with_kwargs=True))
+                handles.append(model.register_forward_hook(session.after_forward, with_kwargs=True))
             yield session
         finally:
             for h in handles:

@@ -26,7 +26,9 @@ class _Registry(dict):
     """name -> method class. The method modules (and so torch) are imported on first lookup, so that
     composing configs and resolving their tags (reproduce_paper.py --dry-run) never loads torch."""
 
-    MODULES = ("full", "h2o", "pyramidkv", "snapkv", "streamingllm")
+    MODULES = ("full", "h2o", "pyramidkv", "snapkv", "streamingllm",
+               "tova", "knorm", "expected_attention", "keydiff", "lagkv", "observed_attention", "criticalkv", "chunkkv",
+               "adakv", "cake", "kvzip")
     _loaded = False
 
     def _load(self) -> None:

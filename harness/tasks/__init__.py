@@ -13,6 +13,7 @@ TASKS = {
     "longbench_e": "harness.tasks.longbench",
     "observation": "harness.tasks.observation",
     "lines": "harness.tasks.lines",
+    "ruler": "harness.tasks.ruler",
 }
 
 SELF_MANAGED = ("bench",)  # known without importing the module (which loads torch)

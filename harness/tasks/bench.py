@@ -401,8 +401,9 @@ def prepare_and_run(cfg: DictConfig, run_dir: RunDir) -> dict:
                        "isolation": runner.isolation, "loadavg_1m": round(load, 2) if load is not None else None,
                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **res}
                 rows_log.append(row)
-                log.info("bench r%d %6d %-24s prefill %.2f s (compress %.3f s) decode %.1f ms/step, KV %.1f MB, peak +%.1f MB",
-                         repeat, length, label, res["prefill_s"], res["compress_s"], res["decode_median_ms"] or float("nan"),
+                log.info("bench r%d %6d %-24s prefill %.2f s (compress %.3f s: capture %.3f + select %.3f) decode %.1f ms/step, "
+                         "KV %.1f MB, peak +%.1f MB", repeat, length, label, res["prefill_s"], res["compress_s"],
+                         res.get("compress_capture_s") or 0.0, res.get("compress_select_s") or 0.0, res["decode_median_ms"] or float("nan"),
                          res["kv_bytes"] / MB, res["peak_increase_bytes"] / MB)
             bar.close()
             infos = runner.infos
@@ -471,7 +472,9 @@ def aggregate(rows: list[dict], labels: list[str], lengths: list[int]) -> list[d
                 "budget": first["method"].get("budget") if isinstance(first["method"].get("budget"), int) else None,
                 "repeats": len(rs),
                 "prefill_s": _median(r["prefill_s"] for r in rs),
-                "compress_s": _median(r["compress_s"] for r in rs),
+                "compress_s": _median(r["compress_s"] for r in rs),  # capture + select (bench_worker.CompressTimer)
+                "compress_capture_s": _median(r.get("compress_capture_s") for r in rs),
+                "compress_select_s": _median(r.get("compress_select_s") for r in rs),
                 # per decode step (one forward of the batch); per token = per step / batch size
                 "decode_median_ms": _pct(steps, 50),
                 "decode_p90_ms": _pct(steps, 90),
@@ -526,7 +529,7 @@ def summarize(table: list[dict], labels: list[str], lengths: list[int], isolatio
     by_label: dict = {}
     for e in table:
         by_label.setdefault(e["label"], {})[str(e["length"])] = {
-            k: e[k] for k in ("prefill_s", "compress_s", "compress_pct_of_full_prefill", "prefill_overhead_pct", "decode_median_ms",
+            k: e.get(k) for k in ("prefill_s", "compress_s", "compress_capture_s", "compress_select_s", "compress_pct_of_full_prefill", "prefill_overhead_pct", "decode_median_ms",
                               "decode_p90_ms", "decode_ms_per_token", "decode_tokens_per_s", "decode_vs_full", "decode_vs_full_at_budget_length",
                               "kv_bytes", "kv_bytes_analytic", "kv_full_over_this", "peak_increase_bytes", "peak_vs_full",
                               "prefill_cpu_s", "compress_cpu_s", "compress_cpu_pct_of_full_prefill", "prefill_cpu_overhead_pct",
@@ -631,15 +634,16 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
         "Random-token prompts, the same for every method at a length. Decode ms/step: median and p90 over all repeats' steps; "
         f"one step is one forward of the whole batch and yields {task.batch_size} token(s), one per sequence, so ms/step is also "
         "each sequence's per-token latency; ms/token = ms/step ÷ batch (the cost per generated token); tok/s over the batch. "
-        "Compress: time inside the method's selection, summed over layers (% of the full cache's prefill at that length); "
-        "timed without synchronising inside the prefill (CUDA events on GPU). "
+        "Compress: the observer's capture during the prompt's attention (the query window; H2O's attention column sums, "
+        "its main cost) plus the method's selection, summed over layers, as capture + select (% of the full cache's "
+        "prefill at that length); timed without synchronising inside the prefill (CUDA events on GPU). "
         "Prefill vs full: paired prefill-time difference (noisier). KV: bytes of the cache tensors after prefill "
         "(measured = analytic layers x heads x kept x head_dim x 2 x dtype bytes, ✓). Peak: the measurement's peak "
         "memory above what was resident/allocated just before it." + (
             f" CPU peaks: glibc M_MMAP_THRESHOLD = {table[0]['prefill_mmap_threshold']} bytes during the prefill, so freed "
             "tensors leave the resident set at once (see harness/tasks/bench_worker.py)." if table and table[0].get("prefill_mmap_threshold") else ""),
         "",
-        "| method | prompt | prefill s | compress s (% full prefill) | prefill vs full | decode ms/step median | p90 | ms/token "
+        "| method | prompt | prefill s | compress s: capture + select (% full prefill) | prefill vs full | decode ms/step median | p90 | ms/token "
         "| tok/s | decode × full | decode × full@budget | KV MB | heads × kept | KV full ÷ this | peak +MB | peak × full |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -647,7 +651,7 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
         kv = f"{e['kv_bytes'] / MB:.1f} {'✓' if e['kv_matches_analytic'] else '≠ ' + _f(e['kv_bytes_analytic'] / MB, '{:.1f}')}"
         heads_kept = f"{'/'.join(map(str, e['cache_heads']))} × {'/'.join(map(str, e['kept_tokens']))}"
         lines.append(
-            f"| {e['label']} | {e['length']} | {_f(e['prefill_s'])} | {_f(e['compress_s'], '{:.3f}')} ({_f(e['compress_pct_of_full_prefill'], '{:.1f}%')}) "
+            f"| {e['label']} | {e['length']} | {_f(e['prefill_s'])} | {_compress_cell(e)} "
             f"| {_f(e['prefill_overhead_pct'], '{:+.1f}%')} | {_f(e['decode_median_ms'], '{:.1f}')} | {_f(e['decode_p90_ms'], '{:.1f}')} "
             f"| {_f(e.get('decode_ms_per_token'), '{:.1f}')} | {_f(e['decode_tokens_per_s'], '{:.1f}')} | {_f(e['decode_vs_full'], '{:.2f}x')} | {_f(e['decode_vs_full_at_budget_length'], '{:.2f}x')} "
             f"| {kv} | {heads_kept} | {_f(e['kv_full_over_this'], '{:.2f}x')} | {_f(e['peak_increase_bytes'] and e['peak_increase_bytes'] / MB, '{:.1f}')} "
@@ -678,6 +682,14 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
             lines.append(f"| {label} | {s['max_length']}{' (upper bound reached)' if s['reached_upper'] else ''} | "
                          f"{_f(s.get('vs_full'), '{:.2f}x')} | {_f(s['first_failure'], '{}')} | {probes} |")
     return "\n".join(lines) + "\n"
+
+
+def _compress_cell(e: dict) -> str:
+    """`total (pct)`, or `total: capture + select (pct)` where the rows have the parts."""
+    parts = ""
+    if e.get("compress_capture_s") is not None and e.get("compress_select_s") is not None:
+        parts = f": {_f(e['compress_capture_s'], '{:.3f}')} + {_f(e['compress_select_s'], '{:.3f}')}"
+    return f"{_f(e['compress_s'], '{:.3f}')}{parts} ({_f(e['compress_pct_of_full_prefill'], '{:.1f}%')})"
 
 
 def write_plots(table: list[dict], path: Path, *, title: str) -> None:

@@ -6,13 +6,14 @@ reports the prefill time, the time spent inside the method's `compress` (summed 
 per-step decode latencies, the KV-cache bytes after prefill (measured from the cache tensors and
 the analytic value) and the peak memory of the measurement.
 
-Compression time (`compress_s`): the time inside the method's `select`, summed over layers, measured
-without perturbing the timed prefill. CPU: `perf_counter` around each call (execution is synchronous).
-CUDA: a pair of CUDA events recorded on the current stream of the layer's device around each call,
-with no host synchronisation inside the prefill; the events are read after the measurement. (Timing
-with `torch.cuda.synchronize` around every call, as before, serialised the host and the device at
-every layer and lengthened the very prefill it was part of.) Query capture and H2O's column sums run
-in the attention hook, outside `select`, and are not counted.
+Compression time (`compress_s` = `compress_capture_s` + `compress_select_s`): the observer's capture
+during the prompt's attention (the query window; H2O's attention column sums, its main cost) plus the
+method's `select`, summed over layers (`CompressTimer`), measured without perturbing the timed
+prefill. CPU: `perf_counter` around each call (execution is synchronous). CUDA: a pair of CUDA events
+recorded on the current stream of the layer's device around each call, with no host synchronisation
+inside the prefill; the events are read after the measurement. (Timing with `torch.cuda.synchronize`
+around every call, as before, serialised the host and the device at every layer and lengthened the
+very prefill it was part of.)
 
 Peak memory:
 - CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, summed over every CUDA
@@ -296,6 +297,8 @@ def measured_kv(cache, appended: int, prompt_length: int | None = None) -> dict:
         now = int(layer.keys.shape[-2])
         if getattr(layer, "is_sliding", False) and prompt_length is not None:
             at_prefill = min(int(prompt_length), now)
+        elif getattr(layer, "_kvharness_ragged", False):  # one flat head: every step appended one entry per head
+            at_prefill = now - appended * int(layer._kvharness_heads)
         else:
             at_prefill = now - appended
         for t in (layer.keys, layer.values):
@@ -318,47 +321,70 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 class CompressTimer:
-    """Time spent inside the method's `select` (the engine's per-layer selection), summed over layers.
+    """Time spent compressing: the observer's capture during prompt forwards plus the method's `select`.
 
-    Wraps `select` on this measurement's method object only (an instance attribute). CPU: wall-clock
-    `perf_counter` and process CPU time around each call. CUDA: two timing events per call, recorded
-    on the current stream of the keys' device, with no host synchronisation: the timed prefill runs
-    as it would unwrapped. `finish()` (after the measurement) waits for the events and sums them.
+    Compression has two parts. The capture runs inside attention, in `Session.on_attention`, on every
+    prompt forward: it keeps the last `window` queries and, for H2O, accumulates the attention column
+    sums (H2O's main cost: the whole prompt's attention, recomputed block by block). The selection runs
+    once per layer, in the method's `select`. Both are wrapped on this measurement's objects only
+    (instance attributes): `select` on the method, `on_attention` on the session (calls with a single
+    query, decode steps, are passed through untimed). CPU: wall-clock `perf_counter` and process CPU
+    time around each call. CUDA: two timing events per call, recorded on the current stream of the
+    tensors' device, with no host synchronisation: the timed prefill runs as it would unwrapped.
+    `finish()` (after the measurement) waits for the events and sums them; `parts` splits the total.
     """
 
     def __init__(self, method, device: torch.device):
-        self.seconds, self.cpu_seconds, self.calls = 0.0, 0.0, 0
+        self.parts = {"capture": 0.0, "select": 0.0}
+        self.seconds, self.cpu_seconds, self.calls, self.capture_calls = 0.0, 0.0, 0, 0
         self.cuda = device.type == "cuda"
+        self.device = device
         self.source = "cuda_events" if self.cuda else "perf_counter"
         self._events: list = []
         original = method.select
 
         def select(*args, **kwargs):
-            cpu_start = time.process_time()
-            if self.cuda:
-                keys = args[0] if args else kwargs.get("keys")
-                stream = torch.cuda.current_stream(keys.device if isinstance(keys, torch.Tensor) else device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                out = original(*args, **kwargs)
-                end.record(stream)
-                self._events.append((start, end))
-            else:
-                wall_start = time.perf_counter()
-                out = original(*args, **kwargs)
-                self.seconds += time.perf_counter() - wall_start
-            self.cpu_seconds += time.process_time() - cpu_start
+            keys = args[0] if args else kwargs.get("keys")
             self.calls += 1
-            return out
+            return self._timed("select", keys, original, *args, **kwargs)
 
         method.select = select
 
+    def watch_capture(self, session) -> None:
+        """Also time the session's capture (`on_attention` on prompt forwards)."""
+        original = session.on_attention
+
+        def on_attention(module, query, *args, **kwargs):
+            if query.shape[-2] == 1:  # a decode step: nothing is captured
+                return original(module, query, *args, **kwargs)
+            self.capture_calls += 1
+            return self._timed("capture", query, original, module, query, *args, **kwargs)
+
+        session.on_attention = on_attention
+
+    def _timed(self, part: str, tensor, fn, *args, **kwargs):
+        cpu_start = time.process_time()
+        if self.cuda:
+            stream = torch.cuda.current_stream(tensor.device if isinstance(tensor, torch.Tensor) else self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            out = fn(*args, **kwargs)
+            end.record(stream)
+            self._events.append((part, start, end))
+        else:
+            wall_start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.parts[part] += time.perf_counter() - wall_start
+        self.cpu_seconds += time.process_time() - cpu_start
+        return out
+
     def finish(self) -> float:
-        """Total seconds (CUDA: reads the recorded events, waiting for the last one)."""
-        for start, end in self._events:
+        """Total seconds, capture + select (CUDA: reads the recorded events, waiting for the last one)."""
+        for part, start, end in self._events:
             end.synchronize()
-            self.seconds += start.elapsed_time(end) / 1000.0
+            self.parts[part] += start.elapsed_time(end) / 1000.0
         self._events.clear()
+        self.seconds = sum(self.parts.values())
         return self.seconds
 
 
@@ -405,7 +431,9 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
     with PeakMeter(devices) as meter:
         gc.disable()  # no collector pauses inside timed decode steps
         try:
-            with compression(model, method):
+            with compression(model, method) as session:
+                if timer is not None:
+                    timer.watch_capture(session)
                 gen = greedy_generate(model, ids, max_new_tokens=int(decode_tokens) + 1, ignore_eos=True, keep_cache=True)
         finally:
             for h in hooks:
@@ -430,8 +458,11 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
         "batch_size": int(batch_size),
         "prompt_checksum": int(ids.sum().item()),
         "prefill_s": round(prefill, 5),
-        "compress_s": round(compress_seconds, 5),
+        "compress_s": round(compress_seconds, 5),  # capture + select
+        "compress_capture_s": round(timer.parts["capture"], 5) if timer else 0.0,
+        "compress_select_s": round(timer.parts["select"], 5) if timer else 0.0,
         "compress_calls": timer.calls if timer else 0,
+        "capture_calls": timer.capture_calls if timer else 0,
         "compress_timing": timer.source if timer else None,
         "decode_steps": len(steps),
         # decode_*_ms are per decode STEP (one forward of the whole batch: batch_size tokens, one per sequence)

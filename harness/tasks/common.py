@@ -59,8 +59,13 @@ def check_method(cfg):
 
     method = build_method(cfg.method)
     layers, positions = model_facts(cfg.model)
-    if layers is not None:
-        method.validate(layers, positions or 0)
+    if layers is None:
+        # The layer count is unknown until the model loads (a GGUF or hub model without `architecture`):
+        # check every option that does not depend on it with a nominal count (a per-layer list: its own
+        # length; 2 layers otherwise, the fewest a PyramidKV schedule has). The loaded model is checked again.
+        budget = getattr(method, "budget", None)
+        layers = len(budget) if isinstance(budget, (list, tuple)) and budget else 2
+    method.validate(layers, positions or 0)
     return method
 
 
@@ -104,16 +109,45 @@ class Prompt:
     part; None: nothing follows the context). Under the query-agnostic protocol tokens
     [0, question_start) are prefilled and compressed, the rest is prefilled on top of the compressed
     cache, uncompressed, at its true positions. `spans`: named token ranges [a, b) whose retention
-    after compression is reported (`<name>_kept`, `<name>_kept_by_layer`)."""
+    after compression is reported (`<name>_kept`, `<name>_kept_by_layer`).
+
+    Several questions over one context (`questions`, K >= 1 `Question`s): `ids` is then the context
+    alone (`question_start` = its length) and each question holds the tokens that follow the context
+    when it is asked, with its own spans (positions in context + that question; the context's spans,
+    e.g. needles, are `spans`). `asked()` gives the K single-question prompts. Without `questions`
+    the prompt is today's one question: `ids[question_start:]`."""
 
     ids: list[int]
     question_start: int | None = None
     spans: dict = field(default_factory=dict)
+    questions: list[Question] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.questions:
+            if self.question_start is None:
+                self.question_start = len(self.ids)
+            if self.question_start != len(self.ids):
+                raise ValueError("a prompt with `questions` holds the context alone in `ids` (question_start = len(ids))")
 
     def compressed_end(self, query_aware: bool) -> int:
         if query_aware or self.question_start is None:
             return len(self.ids)
         return int(self.question_start)
+
+    def asked(self) -> list[Prompt]:
+        """One single-question prompt per question (context + that question), in order; [self] without `questions`."""
+        if not self.questions:
+            return [self]
+        return [Prompt(self.ids + list(q.ids), self.question_start, {**self.spans, **q.spans}) for q in self.questions]
+
+
+@dataclass
+class Question:
+    """One of several questions over a prompt's context: its tokens after the context, and its spans
+    (e.g. {"question": (a, b)}) in positions of context + these tokens."""
+
+    ids: list[int]
+    spans: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -154,6 +188,12 @@ def compression_diagnostics(state, method, prompt: Prompt, end: int, cache) -> d
         out["compressed_layers"] = [i for i in sorted(records) if records[i].compressed]
     if getattr(method, "compresses", False):
         out["budget_tokens"] = getattr(method, "budget", None)
+        short = [i for i in sorted(records) if records[i].reason == "short_prompt"]
+        if short and all(records[i].reason in ("short_prompt", "sliding_window") for i in records):
+            out["not_compressed"] = f"budget {out['budget_tokens']} >= the {end}-token compressed part: kept whole"
+            _warn_once(repr(method), "%s: the budget (%s tokens) is at or above this item's %d-token compressed part: "
+                       "nothing is compressed (the official rule); lower method.budget or use method.ratio",
+                       getattr(method, "name", method), out["budget_tokens"], end)
     for name, (lo, hi) in prompt.spans.items():
         if lo >= end or not records:  # prefilled after compression (or nothing compressed): all of it is cached
             by_layer = [None if records[i].reason == "sliding_window" else 1.0 for i in sorted(records)]
@@ -161,10 +201,19 @@ def compression_diagnostics(state, method, prompt: Prompt, end: int, cache) -> d
         else:
             out[f"{name}_kept"], out[f"{name}_kept_by_layer"] = retention(records, lo, min(hi, end))
     out.update({k: v for k, v in kv_stats(cache).items() if k == "cache_bytes"})
+    if state is not None:
+        out.update(state.extra)  # what the method adds (KVzip: its reconstruction forwards)
     return out
 
 
 _WARNED_SLIDING: set[str] = set()
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message, *args)
 
 
 def _warn_if_nothing_compressible(loaded: LoadedModel, session) -> None:
@@ -177,63 +226,266 @@ def _warn_if_nothing_compressible(loaded: LoadedModel, session) -> None:
                         "(results equal the full cache)", loaded.name)
 
 
-def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], prompt: Prompt, *,
-                      query_aware: bool = True, chunk_size: int | None = None, **decode) -> dict[str, Outcome]:
-    """Greedy generation of one prompt under every (tag, method), from ONE prefill.
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Out of memory on the device or the host (CPU allocators raise a RuntimeError that says so)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], prompt: Prompt, **options) -> dict[str, Outcome]:
+    """Greedy generation of one prompt under every (tag, method), from one prefill when memory allows.
+
+    A shared prefill holds, before the first decode, every setting's compressed cache (plus the full
+    cache when `full` is listed). When it runs out of memory, the settings are split in two groups,
+    each with its own prefill, and so on down to one setting at a time, which is exactly that
+    setting's separate run: a long item fails for a setting only where its own run fails. Every
+    outcome records `shared_with`: the tags whose prefill it shared (itself alone: a separate run).
+    """
+    pending, outcomes = [list(methods)], {}
+    while pending:
+        group = pending.pop(0)
+        try:
+            out = _generate_group(loaded, group, prompt, **options)
+        except ITEM_ERRORS as exc:
+            if not is_out_of_memory(exc):
+                raise
+            if len(group) == 1:  # its own run fails too: that setting's item fails, the others stand
+                outcomes[group[0][0]] = Outcome(None, {"shared_with": [group[0][0]]}, exc)
+                continue
+            out = None
+        if out is None:  # outside the except block: the failed prefill's frames and tensors are released
+            _release_memory()
+            half = (len(group) + 1) // 2
+            log.warning("shared prefill of %d settings ran out of memory; retrying in groups of %d and %d",
+                        len(group), half, len(group) - half)
+            pending[:0] = [group[:half], group[half:]]
+            continue
+        tags = [tag for tag, _ in group]
+        for outcome in out.values():
+            outcome.diagnostics["shared_with"] = tags
+        outcomes.update(out)
+    return outcomes
+
+
+def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prompt: Prompt, *,
+                    query_aware: bool = True, chunk_size: int | None = None, keep_answers: bool = False,
+                    decode_together: bool = True, **decode) -> dict[str, Outcome]:
+    """Greedy generation of one prompt under every (tag, method), from ONE prefill of its compressed part.
 
     The compressed part (the whole prompt, or the context alone when `query_aware` is false) is
     prefilled once, in chunks of `chunk_size` if given; right after each layer's attention in its
     last forward, every method builds its compressed layer from the same K/V and the statistics
-    captured during that prefill (engine.py). Then each method, in turn: the rest of the prompt is
-    prefilled on top of its own cache (query-agnostic), and it decodes. A method that does not
-    compress (`full`) decodes from the prefill's own cache. A runtime or out-of-memory error in one
-    method's part fails that method's item only. Every method's tokens equal a separate run's.
+    captured during that prefill (engine.py). Then `_answer` asks every setting the question: the
+    rest of the prompt prefilled on top of its own cache (query-agnostic), then decoding. A method
+    that does not compress (`full`) answers from the prefill's own cache. A runtime or out-of-memory
+    error in one setting's answer fails that setting's item only. Every setting's tokens equal a
+    separate run's.
+
+    A prompt of K questions (`Prompt.questions`) gives each setting a `QuestionOutcomes`. Query-agnostic:
+    the context is prefilled and compressed once; each question is asked on a rollback copy of every
+    setting's compressed cache (`rollback_copy`), dropped after its answer, so each answer equals that
+    question asked alone on the same compressed cache (the last question gets the cache itself: nothing
+    follows it). `keep_answers` (multi-turn): no copies; question i + 1 follows question i and its answer
+    in the cache (the answer's last token, which decoding never feeds back, opens the next turn), at true
+    positions. Query-aware: each question is compressed with the context, one prefill per question,
+    shared by every setting.
     """
-    from harness.decoding import Generation, _sync, greedy_decode, prefill
+    from harness.decoding import _sync, prefill
     from harness.methods.engine import compression, new_cache
 
     model, device = loaded.model, loaded.device
-    ids = torch.tensor([prompt.ids], dtype=torch.long, device=device)
-    length, end = len(prompt.ids), prompt.compressed_end(query_aware)
-    resolved = [(tag, m.resolve(end)) for tag, m in methods]
-    keep_full = any(not m.compresses for _, m in resolved)
-    # Compressing methods first: `full` continues in the shared cache, the others' caches share its
-    # sliding-window layers, so those are handed out before the shared cache moves on.
-    order = sorted(resolved, key=lambda tm: not tm[1].compresses)
-    outcomes: dict[str, Outcome] = {}
-    with torch.inference_mode(), compression(model, [tm for tm in resolved if tm[1].compresses], keep_full=keep_full) as session:
-        cache = new_cache(model)
-        session.compress_now = False
-        _sync(device)
-        start = time.perf_counter()
-        logits = prefill(model, cache, ids[:, :end], chunk_size=chunk_size, before_last=lambda: setattr(session, "compress_now", True))
-        _sync(device)
-        shared_seconds = time.perf_counter() - start
-        caches = {tag: session.cache_for(tag, cache) for tag, m in order if m.compresses}
-        _warn_if_nothing_compressible(loaded, session)
-        for tag, method in order:
-            own = caches.pop(tag) if method.compresses else cache
-            try:
-                diag = compression_diagnostics(session.states.get(tag), method, prompt, end, own)
-                first, rest_seconds = logits, 0.0
-                if end < length:
-                    start = time.perf_counter()
-                    first = prefill(model, own, ids[:, end:], start=end)
-                    _sync(device)
-                    rest_seconds = time.perf_counter() - start
-                tokens, steps, stopped = greedy_decode(model, own, first, length, tokenizer=loaded.tokenizer,
-                                                       **{"eos_token_ids": loaded.eos_token_ids, **decode})
-                gen = Generation(tokens=tokens, prompt_length=length, prefill_seconds=shared_seconds + rest_seconds,
-                                 step_seconds=steps, stopped_by=stopped)
-                diag["shared_prefill_seconds"] = round(shared_seconds, 4)
-                state = session.states.get(tag)
-                kept = {i: r.positions for i, r in state.layers.items()} if state is not None else {}
-                outcomes[tag] = Outcome(gen, diag, kept=kept)
-            except ITEM_ERRORS as exc:
-                outcomes[tag] = Outcome(None, {}, exc)
-            finally:
-                del own
-    return outcomes
+    asked = prompt.asked()
+    if not query_aware and prompt.question_start is not None:
+        passes = [(int(prompt.question_start), asked)]  # one context prefill, every question on top
+    else:
+        passes = [(len(p.ids), [p]) for p in asked]  # each question inside its compressed prompt
+    answers: dict[str, list[Outcome]] = {tag: [] for tag, _ in methods}
+    for end, questions in passes:
+        ids = torch.tensor([questions[0].ids[:end]], dtype=torch.long, device=device)
+        resolved = [(tag, m.resolve(end)) for tag, m in methods]
+        keep_full = any(not m.compresses for _, m in resolved)
+        # Compressing methods first (the order of the separate runs; every cache is handed out before any answer).
+        order = sorted(resolved, key=lambda tm: not tm[1].compresses)
+        with torch.inference_mode(), compression(model, [tm for tm in resolved if tm[1].compresses], keep_full=keep_full,
+                                                   tokenizer=loaded.tokenizer) as session:
+            cache = new_cache(model)
+            session.compress_now = False
+            _sync(model)
+            start = time.perf_counter()
+            logits = prefill(model, cache, ids, chunk_size=chunk_size, before_last=lambda: setattr(session, "compress_now", True))
+            _sync(model)
+            shared_seconds = time.perf_counter() - start
+            bases = {tag: session.cache_for(tag, cache) if m.compresses else cache for tag, m in order}
+            del cache
+            _warn_if_nothing_compressible(loaded, session)
+            kept = {tag: {i: r.positions for i, r in session.states[tag].layers.items()} if tag in session.states else {}
+                    for tag, _ in order}
+            talks: dict[str, Turn] = {}  # keep_answers: each setting's conversation so far
+            for number, asking in enumerate(questions):
+                last = number == len(questions) - 1
+                turns, diagnostics = {}, {}
+                for tag, method in order:
+                    if keep_answers and answers[tag] and answers[tag][-1].error is not None:
+                        answers[tag].append(Outcome(None, {}, answers[tag][-1].error))  # its conversation broke
+                        continue
+                    try:
+                        diagnostics[tag] = compression_diagnostics(session.states.get(tag), method, asking, end, bases[tag])
+                    except ITEM_ERRORS as exc:
+                        answers[tag].append(Outcome(None, {}, exc))
+                        continue
+                    before = talks.get(tag)
+                    if keep_answers and before is not None:
+                        turns[tag] = Turn(before.cache, [*before.answer[-1:], *asking.ids[end:]], before.next_position)
+                    else:  # the cache itself where nothing is asked after this question, else a rollback copy
+                        base = bases[tag] if last or keep_answers else rollback_copy(bases[tag])
+                        turns[tag] = Turn(base, asking.ids[end:], end)
+                if last:
+                    bases.clear()  # the last answers own their caches: each is freed with its turn
+                generations = _answer(loaded, turns, logits, together=decode_together, **decode)
+                for tag, diag in diagnostics.items():
+                    gen = generations[tag]
+                    if isinstance(gen, BaseException):
+                        answers[tag].append(Outcome(None, {}, gen))
+                        continue
+                    gen.prefill_seconds += shared_seconds
+                    diag["shared_prefill_seconds"] = round(shared_seconds, 4)
+                    diag["decoded_with"] = gen.decoded_with
+                    if prompt.questions:  # where this question's first token sits (after the earlier turns: multi-turn)
+                        diag["question_position"] = turns[tag].start + len(turns[tag].ids) - (len(asking.ids) - end)
+                    answers[tag].append(Outcome(gen, diag, kept=kept[tag]))
+                    turns[tag].answer = gen.tokens[0]
+                talks = turns if keep_answers else {}
+                del turns, generations
+    if not prompt.questions:
+        return {tag: outs[0] for tag, outs in answers.items()}
+    return {tag: QuestionOutcomes(None, {}, answers=outs) for tag, outs in answers.items()}
+
+
+@dataclass
+class Turn:
+    """One setting's part of one question: `ids` prefilled on top of `cache` at true positions `start`, ...,
+    then decoding. `answer`: the tokens decoded (set once answered)."""
+
+    cache: object
+    ids: list[int]
+    start: int
+    answer: list[int] = field(default_factory=list)
+
+    @property
+    def next_position(self) -> int:
+        """Where the next turn starts: after these ids and the answer's tokens the cache holds (all but its last)."""
+        return self.start + len(self.ids) + max(0, len(self.answer) - 1)
+
+
+def _answer(loaded: LoadedModel, turns: dict[str, Turn], logits: torch.Tensor, *, together: bool = True,
+            **decode) -> dict[str, Generation | BaseException]:
+    """Every setting's answer to one question: its turn's ids prefilled on top of its own cache at their true
+    positions (no ids: `logits`, the compressed prefill's last logits, start decoding), then greedy decoding.
+    Returns {tag: Generation (prefill_seconds: this turn's own prefill), or the runtime/out-of-memory error that
+    failed that setting's answer}. With `together`, all settings decode as one batch, one forward per step
+    (harness/batch_decode.py: each setting attends to its own cache only; tokens equal the separate decodes);
+    where they cannot (one setting, turns at different positions, an attention kernel it does not take, a
+    failure), one after another, and every Generation's `decoded_with` says which and why."""
+    from harness.batch_decode import decode_together, decoded_with, refusal
+    from harness.decoding import Generation, _sync, greedy_decode, prefill
+
+    model, device = loaded.model, loaded.device
+    options = {"eos_token_ids": loaded.eos_token_ids, **decode}
+    why = "one setting" if len(turns) < 2 else None if together else "decode_together=false"
+    if why is None and len({(t.start, tuple(t.ids)) for t in turns.values()}) > 1:
+        why = "turns at different positions (multi-turn)"
+    if why is None:
+        why = refusal(model, [t.cache for t in turns.values()])
+    if why is None:
+        turn = next(iter(turns.values()))
+        length = turn.start + len(turn.ids)
+        suffix = torch.tensor([turn.ids], dtype=torch.long, device=device) if turn.ids else None
+        try:
+            decoded = decode_together(model, [t.cache for t in turns.values()], None if suffix is not None else [logits] * len(turns),
+                                      length, suffix=suffix, tokenizer=loaded.tokenizer, **options)
+        except ITEM_ERRORS as exc:
+            why = f"batched decode failed: {type(exc).__name__}"
+        else:
+            label = decoded_with(len(turns), None)
+            return {tag: Generation(tokens=d.tokens, prompt_length=length, prefill_seconds=d.suffix_seconds,
+                                    step_seconds=d.step_seconds, stopped_by=d.stopped_by, decoded_with=label)
+                    for tag, d in zip(turns, decoded)}
+    out: dict[str, Generation | BaseException] = {}
+    for tag, turn in turns.items():
+        try:
+            first, seconds = logits, 0.0
+            if turn.ids:
+                start = time.perf_counter()
+                first = prefill(model, turn.cache, torch.tensor([turn.ids], dtype=torch.long, device=device), start=turn.start)
+                _sync(model)
+                seconds = time.perf_counter() - start
+            length = turn.start + len(turn.ids)
+            tokens, steps, stopped = greedy_decode(model, turn.cache, first, length, tokenizer=loaded.tokenizer, **options)
+            out[tag] = Generation(tokens=tokens, prompt_length=length, prefill_seconds=seconds, step_seconds=steps,
+                                  stopped_by=stopped, decoded_with=decoded_with(1, why))
+        except ITEM_ERRORS as exc:
+            out[tag] = exc
+    return out
+
+
+def rollback_copy(cache):
+    """A cache to ask one question on and drop: the same tensors as `cache`, its own cache and layer objects.
+    Cache updates replace a layer's tensors (torch.cat) and reassign its counters (a sliding-window layer's
+    `cumulative_length`), never write into them, so whatever the copy appends leaves `cache` as it was.
+    The layer class is kept (gqa=expand's expanding subclass, sliding-window layers)."""
+    import copy
+
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    return out
+
+
+@dataclass
+class QuestionOutcomes(Outcome):
+    """One setting's result on a prompt of K questions: `answers[i]` is question i's Outcome (its generation
+    and diagnostics, or the error that failed it). `diagnostics` holds what concerns the whole item
+    (`shared_with`); `question_outcomes` merges it into each answer."""
+
+    answers: list = field(default_factory=list)
+
+
+def question_outcomes(outcome: Outcome, questions: int) -> list[Outcome]:
+    """The per-question outcomes of one setting's result on a prompt of `questions` questions (a plain Outcome:
+    one question), each with the item's diagnostics; a setting that failed as a whole fails every question."""
+    if isinstance(outcome, QuestionOutcomes):
+        return [Outcome(a.generation, {**a.diagnostics, **outcome.diagnostics}, a.error, a.kept) for a in outcome.answers]
+    if outcome.error is not None:
+        return [outcome] * questions
+    return [outcome]
+
+
+class QuestionLog:
+    """A task's log seen per item of K questions, for `run_shared_items`: records are keyed by the item's key
+    plus `question_index`; an item is in it once all K question records are, and `append` takes the item's
+    list of question records (those already there are skipped by the log). A partly done item (a question
+    failed, or the run stopped between records) is asked again and only its missing records are added."""
+
+    def __init__(self, log: JsonlLog, questions: int):
+        self.log, self.questions = log, int(questions)
+
+    def __contains__(self, key) -> bool:
+        return all((*key, i) in self.log for i in range(self.questions))
+
+    def append(self, records: list[dict]) -> None:
+        for record in records:
+            self.log.append(record)
+
+    @property
+    def records(self) -> dict:
+        return self.log.records
 
 
 @dataclass

@@ -12,6 +12,12 @@ the first n lines of that sample's fixed sequence, n the most lines for which th
 (0 = the first line, 100 = the last). Scoring is LongEval's: the last integer in the response must
 equal the value (exact match); `contains` (the value appears among the response's numbers) is kept
 as well.
+
+The protocol options apply as in every task: `task.query_aware=false` compresses the header and the
+lines and prefills the question (and the chat format's closing text) on top, uncompressed;
+`model.prefill_chunk_size` prefills the compressed part in chunks. Records carry `protocol` and
+`question_start`; `question_kept` / `line_kept` say what compression left of the question and of
+the asked line.
 """
 
 from __future__ import annotations
@@ -28,8 +34,14 @@ from omegaconf import DictConfig
 from harness.errors import require
 from harness.models import LoadedModel
 from harness.tasks.common import Prompt, generate_settings, run_shared_items
+from harness.tasks.longbench_data import question_start
+from harness.tasks.needle import protocol_name, warn_evicted_questions
 
 log = logging.getLogger(__name__)
+# Protocol options this task applies (harness.app refuses them for a task that does not list them).
+PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
+# Options that only choose which items run: a run directory takes another grid and reuses its items.
+GRID_KEYS = ("lengths", "positions", "samples")
 WORDS_DIR = Path(__file__).resolve().parents[1] / "data" / "lines"  # shipped as package data
 LOG_FILE = "lines_cells.jsonl"
 
@@ -99,7 +111,8 @@ def render(task: DictConfig, loaded: LoadedModel, lines: list[tuple[str, int]], 
 def build_prompt(task: DictConfig, loaded: LoadedModel, length: int, position: float, sample: int) -> tuple[list[int], dict]:
     """Token ids of one cell's prompt (at most `length` tokens: as many lines as fit) and what it holds:
     {"n_lines", "target_index", "key", "expected", "line_span": [start, end) token span of the asked line
-    (None without a fast tokenizer)}."""
+    (None without a fast tokenizer), "question_start": where the question begins (the text after the
+    lines: LongBench's rule for the template's text after {context}, on the final ids)}."""
     seq = line_sequence(int(task.seed), int(sample), task.get("words_dir"))
 
     def size(n: int) -> int:
@@ -120,7 +133,9 @@ def build_prompt(task: DictConfig, loaded: LoadedModel, length: int, position: f
     lines = list(seq[:n])
     text, ids, asked = render(task, loaded, lines, target)
     info = {"n_lines": n, "target_index": target, "key": lines[target][0], "expected": lines[target][1],
-            "line_span": _token_span(loaded, text, ids, asked)}
+            "line_span": _token_span(loaded, text, ids, asked),
+            "question_start": question_start("lines", {"key": lines[target][0]}, ids, loaded.tokenizer,
+                                             {"lines": "{context}" + str(task.question)})}
     return ids, info
 
 
@@ -158,6 +173,8 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     if loaded.max_positions:
         require(max(lengths) + int(task.max_new_tokens) <= loaded.max_positions,
                 f"task.lengths: {max(lengths)} + {task.max_new_tokens} new tokens exceeds {loaded.name}'s {loaded.max_positions} positions")
+    query_aware = bool(task.get("query_aware", True))
+    chunk_size = cfg.model.get("prefill_chunk_size")
     by_tag = {s.tag: s for s in settings}
     logs = {s.tag: s.run_dir.log(LOG_FILE, key=("length", "position", "sample")) for s in settings}
     tok = loaded.tokenizer
@@ -165,8 +182,13 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     def work(cell, tags):
         length, position, sample = cell
         ids, info = build_prompt(task, loaded, length, position, sample)
-        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], Prompt(ids),
-                                     max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens))
+        split = info["question_start"]
+        spans = {"question": (split, len(ids))}
+        if info["line_span"] is not None:
+            spans["line"] = tuple(info["line_span"])
+        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], Prompt(ids, split, spans),
+                                     query_aware=query_aware, chunk_size=chunk_size,
+                                     max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens), decode_together=bool(cfg.get("decode_together", True)))
         out = {}
         for tag, o in outcomes.items():
             if o.error is not None:
@@ -176,6 +198,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
             response = tok.decode(gen.tokens[0], skip_special_tokens=True).strip()
             out[tag] = {
                 "length": length, "position": position, "sample": sample, "prompt_tokens": len(ids), **info,
+                "protocol": protocol_name(query_aware),
                 "response": response, **score_record(response, info["expected"]),
                 "new_tokens": len(gen.tokens[0]), "stopped_by": gen.stopped_by[0],
                 "prefill_seconds": round(gen.prefill_seconds, 4), "decode_seconds": round(gen.decode_seconds, 4),
@@ -184,7 +207,8 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
         return out
 
     cells = [(n, d, s) for n in lengths for d in positions for s in samples]
-    log.info("lines: %d lengths x %d positions x %d sample(s), %d setting(s)", len(lengths), len(positions), len(samples), len(settings))
+    log.info("lines: %d lengths x %d positions x %d sample(s), %d setting(s), %s", len(lengths), len(positions), len(samples),
+             len(settings), protocol_name(query_aware))
     outcome = run_shared_items(cells, logs=logs, key=lambda c: c, work=work, desc="lines cells",
                                failures_paths={s.tag: s.run_dir.path / "failures.json" for s in settings}, progress=progress)
     from harness.report_figures import lines_heatmap
@@ -195,6 +219,9 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
         write_csv(s.run_dir.path / "lines_cells.csv", rows)
         summary = summarize(rows, lengths, positions)
         summary["failed_cells"] = len(outcome[s.tag].failures)
+        summary["protocol"] = protocol_name(query_aware)
+        summary["prefill_chunk_size"] = chunk_size
+        warn_evicted_questions(rows, s.tag)
         lines_heatmap(rows, s.run_dir.path / "lines_heatmap.png", title=f"{loaded.name} · {s.tag}")
         results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
     return results
@@ -219,7 +246,8 @@ def summarize(rows: list[dict], lengths: list[int], positions: list[float]) -> d
 
 def write_csv(path: Path, rows: list[dict]) -> None:
     fields = ["length", "position", "sample", "prompt_tokens", "n_lines", "target_index", "key", "expected", "parsed",
-              "score", "contains", "new_tokens", "stopped_by", "prefill_seconds", "decode_seconds", "response"]
+              "protocol", "score", "contains", "question_kept", "line_kept", "new_tokens", "stopped_by", "prefill_seconds",
+              "decode_seconds", "response"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

@@ -50,6 +50,11 @@ from metrics.longbench_config import load_dataset2prompt
 from metrics.longbench_tasks import LONGBENCH_E_BUCKETS, LONGBENCH_EN_TASKS, TASK_CATEGORIES, average_scores, task_category
 
 log = logging.getLogger(__name__)
+# Protocol options this task applies (harness.app refuses them for a task that does not list them).
+PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
+# Options that only choose which items run (a prediction is keyed by task and row index, in file order):
+# a run directory takes another selection and reuses the predictions it holds.
+GRID_KEYS = ("datasets", "limit")
 
 PRED_DIR = "pred"
 TABLE_FILE = "longbench_table.md"
@@ -174,7 +179,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
             item = Prompt(ids, split, {"question": (split, len(ids))} if split < len(ids) else {})
             outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], item, query_aware=query_aware,
                                          chunk_size=chunk_size, max_new_tokens=new_tokens, stop_token_ids=stop_ids,
-                                         min_new_tokens=min_new, eos_token_ids=eos_ids)
+                                         min_new_tokens=min_new, eos_token_ids=eos_ids, decode_together=bool(cfg.get("decode_together", True)))
             out = {}
             for tag, o in outcomes.items():
                 if o.error is not None:

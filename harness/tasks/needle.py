@@ -19,10 +19,14 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel, find_package_file
 from harness.tasks.needle_prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
-from harness.tasks.common import Prompt, generate_settings, run_shared_items
+from harness.tasks.common import Prompt, Question, QuestionLog, generate_settings, question_outcomes, run_shared_items
 from metrics.needle import score_needle_response
 
 log = logging.getLogger(__name__)
+# Protocol options this task applies (harness.app refuses them for a task that does not list them).
+PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
+# Options that only choose which items run: a run directory takes another grid and reuses its items.
+GRID_KEYS = ("lengths", "depths")
 
 
 def validate(task: DictConfig) -> None:
@@ -33,6 +37,7 @@ def validate(task: DictConfig) -> None:
     for n in task.lengths:
         require(int(n) > 0, f"task.lengths: {n} is not a positive token count")
     require(task.prompt_style in PROMPT_STYLES, f"task.prompt_style={task.prompt_style!r} is not one of {', '.join(PROMPT_STYLES)}")
+    validate_needles(task)
     haystack_files(task)
 
 
@@ -52,13 +57,20 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     lengths = [int(n) for n in task.lengths]
     depths = [float(d) for d in task.depths]
     query_aware = bool(task.get("query_aware", True))
+    needles, keep_answers = int(task.get("needles", 1)), bool(task.get("keep_answers", False))
     chunk_size = cfg.model.get("prefill_chunk_size")
     longest = max(lengths) + int(task.max_new_tokens)
     if loaded.max_positions:
         require(longest <= loaded.max_positions,
                 f"task.lengths: {max(lengths)} + {task.max_new_tokens} new tokens exceeds {loaded.name}'s {loaded.max_positions} positions")
     cap = apply_memory_cap(task.get("memory_cap_gb"), loaded.device)
+    style = str(task.prompt_style)  # default: by model.chat_format (conf/task/needle.yaml), resolved in the config
     parts = prompt_parts(task, loaded)
+    facts = fact_parts(task, loaded, needles) if needles > 1 else None
+    if facts and keep_answers and loaded.max_positions:  # the conversation grows by every question and answer
+        grown = max(lengths) + sum(len(f.suffix) + int(task.max_new_tokens) for f, _ in facts)
+        require(grown <= loaded.max_positions, f"task.keep_answers=true: {needles} questions and answers after a {max(lengths)}-token "
+                                               f"prompt reach {grown} positions, past {loaded.name}'s {loaded.max_positions}")
     text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
     haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
     passes = math.ceil(max(lengths) / len(haystack))
@@ -66,40 +78,35 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     log.info("needle: haystack %d tokens x %d, grid %d lengths x %d depths, %d setting(s), %s",
              len(haystack) // passes, passes, len(lengths), len(depths), len(settings), protocol_name(query_aware))
     by_tag = {s.tag: s for s in settings}
-    logs = {s.tag: s.run_dir.log("needle_cells.jsonl", key=("length", "depth")) for s in settings}
+    if facts:  # one record per (cell, question): a cell is done once all its questions are
+        logs = {s.tag: QuestionLog(s.run_dir.log("needle_cells.jsonl", key=("length", "depth", "question_index")), needles)
+                for s in settings}
+    else:
+        logs = {s.tag: s.run_dir.log("needle_cells.jsonl", key=("length", "depth")) for s in settings}
+    decode = dict(max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens))
     stop_strings = list(getattr(loaded, "stop_strings", None) or [])
 
     def work(cell, tags):
         length, depth = cell
+        if facts:
+            fixed = dict(protocol=protocol_name(query_aware), keep_answers=keep_answers, prompt_style=style)
+            return ask_needles(loaded, [(t, by_tag[t].method) for t in tags], haystack, facts, cell, logs, fixed,
+                               query_aware=query_aware, keep_answers=keep_answers, chunk_size=chunk_size,
+                               stop_strings=stop_strings, **decode)
         built = build_cell(haystack, parts, length, depth)
         prompt = Prompt(built.ids, built.question_start,
                         {"question": (built.question_start, len(built.ids)), "needle": (built.needle_start, built.needle_end)})
         outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], prompt, query_aware=query_aware,
                                      chunk_size=chunk_size, max_new_tokens=int(task.max_new_tokens),
-                                     min_new_tokens=int(task.min_new_tokens), stop_strings=stop_strings)
+                                     min_new_tokens=int(task.min_new_tokens), stop_strings=stop_strings, decode_together=bool(cfg.get("decode_together", True)))
         out = {}
         for tag, o in outcomes.items():
             if o.error is not None:
                 out[tag] = o.error
                 continue
-            gen = o.generation
-            response = loaded.tokenizer.decode(gen.tokens[0], skip_special_tokens=True).strip()
-            out[tag] = {
-                "length": length,
-                "depth": depth,
-                "prompt_tokens": len(built.ids),
-                "needle_token_index": built.needle_start,
-                "needle_depth_actual": built.depth_actual,
-                "question_start": built.question_start,
-                "protocol": protocol_name(query_aware),
-                "response": response,
-                **score_needle_response(response, task.answer),
-                "new_tokens": len(gen.tokens[0]),
-                "stopped_by": gen.stopped_by[0],
-                "prefill_seconds": round(gen.prefill_seconds, 4),
-                "decode_seconds": round(gen.decode_seconds, 4),
-                **o.diagnostics,
-            }
+            out[tag] = answer_record(loaded.tokenizer, o, task.answer, length=length, depth=depth, prompt_tokens=len(built.ids),
+                                     needle_token_index=built.needle_start, needle_depth_actual=built.depth_actual,
+                                     question_start=built.question_start, protocol=protocol_name(query_aware), prompt_style=style)
         return out
 
     cells = [(n, d) for n in lengths for d in depths]
@@ -109,17 +116,23 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
 
     results = {}
     for s in settings:
-        rows = [logs[s.tag].records[c] for c in cells if c in logs[s.tag].records]
+        records = logs[s.tag].records
+        rows = [records[k] for c in cells for k in ([(*c, i) for i in range(needles)] if facts else [c]) if k in records]
         write_csv(s.run_dir.path / "needle_cells.csv", rows)
         summary = summarize(rows, lengths, depths)
         summary["failed_cells"] = len(outcome[s.tag].failures)
         summary["memory_cap"] = cap
         summary["protocol"] = protocol_name(query_aware)
+        summary["prompt_style"] = style
         summary["prefill_chunk_size"] = chunk_size
+        if facts:
+            summary.update(needles=needles, keep_answers=keep_answers, by_question={
+                str(i): _mean(r["score"] for r in rows if r.get("question_index") == i) for i in range(needles)})
         warn_evicted_questions(rows, s.tag)
         title = f"{loaded.name} · {s.tag} · {protocol_name(query_aware)}"
         needle_heatmap(rows, s.run_dir.path / "needle_heatmap.png", title=title, score_key="score")
-        if rows and s.method.compresses and all(r.get("needle_kept") is not None for r in rows):
+        # every setting, full included (all ones: the full cache keeps every token), as the README promises
+        if rows and all(r.get("needle_kept") is not None for r in rows):
             needle_heatmap(rows, s.run_dir.path / "needle_retention.png", title=f"{title}\nneedle tokens kept in the cache",
                            score_key="needle_kept")
         results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
@@ -173,10 +186,128 @@ def summarize(rows: list[dict], lengths: list[int], depths: list[float]) -> dict
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    fields = ["length", "depth", "prompt_tokens", "needle_token_index", "needle_depth_actual", "protocol", "score",
+    several = ["question_index", "needle_depth"] if any("question_index" in r for r in rows) else []
+    fields = ["length", "depth", *several, "prompt_tokens", "needle_token_index", "needle_depth_actual", "protocol", "score",
               "keyword_recall", "strict", "rouge1_f", "needle_kept", "question_kept", "budget_tokens", "new_tokens",
               "stopped_by", "prefill_seconds", "decode_seconds", "response"]
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
+
+
+def _mean(values):
+    values = list(values)
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def answer_record(tokenizer, outcome, answer: str, **fields) -> dict:
+    """One answer's record: `fields` (what the item and question are), the response scored against `answer`,
+    the generation's timings and the outcome's diagnostics."""
+    gen = outcome.generation
+    response = tokenizer.decode(gen.tokens[0], skip_special_tokens=True).strip()
+    return {**fields, "response": response, **score_needle_response(response, answer), "new_tokens": len(gen.tokens[0]),
+            "stopped_by": gen.stopped_by[0], "prefill_seconds": round(gen.prefill_seconds, 4),
+            "decode_seconds": round(gen.decode_seconds, 4), **outcome.diagnostics}
+
+
+# --------------------------------------------------------------------------- several needles (task.needles = K)
+# K distinct facts in one context at K depths, one question each (docs/many_questions.md). Fact 0 is
+# task.needle/question/answer at the cell's depth; fact j (1..K-1) is task.more_needles[j - 1] at depth
+# (depth + 100 j / K) mod 100: the needles spread evenly over the context, the cell's depth names the first.
+
+
+def validate_needles(task: DictConfig) -> None:
+    needles = task.get("needles", 1)
+    more = task.get("more_needles") or []
+    require(isinstance(needles, int) and not isinstance(needles, bool) and 1 <= needles <= 1 + len(more),
+            f"task.needles={needles!r}: give a whole number from 1 to {1 + len(more)} (1 + the facts in task.more_needles)")
+    for j, fact in enumerate(more[: needles - 1], 1):
+        require(all(fact.get(k) for k in ("needle", "question", "answer")),
+                f"task.more_needles[{j - 1}] needs needle, question and answer")
+    require(not (task.get("keep_answers", False) and task.get("query_aware", True)),
+            "task.keep_answers=true keeps each answer in the cache for the next question: it applies to "
+            "task.query_aware=false (questions asked after the compressed context); drop it or set task.query_aware=false")
+
+
+def needle_depths(depth: float, needles: int) -> list[float]:
+    """Requested depth of each needle: the cell's depth first, the others spread evenly (mod 100)."""
+    return [float(depth)] + [round((depth + 100.0 * j / needles) % 100.0, 4) for j in range(1, needles)]
+
+
+def fact_parts(task: DictConfig, loaded, needles: int) -> list[tuple[PromptParts, str]]:
+    """(prompt parts, answer) of each of the first `needles` facts: the same prefix, its own needle and question."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.to_container(task, resolve=True)
+    facts = [{"needle": task.needle, "question": task.question, "answer": task.answer}, *list(task.more_needles)[: needles - 1]]
+    out = []
+    for fact in facts:
+        parts = prompt_parts(OmegaConf.create({**base, "needle": fact["needle"], "question": fact["question"]}), loaded)
+        out.append((parts, str(fact["answer"])))
+    if any(p.prefix != out[0][0].prefix for p, _ in out):
+        raise HarnessError(f"task.needles={needles}: the prompt puts the question before the context "
+                           f"(task.{task.prompt_style}_template); several questions need one context they all follow")
+    return out
+
+
+@dataclass
+class NeedlesCell:
+    """A cell of several needles: `context` (template prefix + haystack with every needle), then question i is
+    `suffixes[i]`. Per needle: first and past-last token in `context`, requested and actual depth."""
+
+    context: list[int]
+    suffixes: list[list[int]]
+    spans: list[tuple[int, int]]
+    depths: list[float]
+    depth_actual: list[float]
+
+
+def build_needles_cell(haystack: list[int], facts: list[tuple[PromptParts, str]], length: int, depth: float) -> NeedlesCell:
+    """The longest question's prompt is exactly `length` tokens (the others a few shorter)."""
+    from harness.tasks.needle_prompt import place_needles
+
+    first = facts[0][0]
+    longest = max(len(p.suffix) for p, _ in facts)
+    fixed = len(first.prefix) + longest + sum(len(p.needle) for p, _ in facts)
+    n_context = length - fixed
+    if n_context <= 0:
+        raise HarnessError(f"task.lengths: {length} tokens cannot hold the prompt template and {len(facts)} needles ({fixed} tokens)")
+    if len(haystack) < n_context:
+        raise HarnessError(f"task.lengths: {length} needs {n_context} haystack tokens but the haystack has {len(haystack)}")
+    depths = needle_depths(depth, len(facts))
+    placed = place_needles(haystack[:n_context], [(p.needle, d) for (p, _), d in zip(facts, depths)], first.periods,
+                           tolerance=first.depth_tolerance, where=f"needle cell length={length} depth={depth:g}")
+    offset = len(first.prefix)
+    spans = [(offset + s, offset + s + len(p.needle)) for s, (p, _) in zip(placed.starts, facts)]
+    return NeedlesCell(first.prefix + placed.ids, [list(p.suffix) for p, _ in facts], spans, depths, placed.depth_actual)
+
+
+def ask_needles(loaded, methods, haystack, facts, cell, logs, fixed: dict, **options) -> dict:
+    """Every question of one cell for every (tag, method): {tag: [its question records], or the error that
+    failed one of them (the others are appended to the tag's log here, so a rerun adds only the missing one)}."""
+    length, depth = cell
+    built = build_needles_cell(haystack, facts, length, depth)
+    start = len(built.context)
+    prompt = Prompt(built.context, spans={f"needle_{j}": span for j, span in enumerate(built.spans)},
+                    questions=[Question(suffix, {"question": (start, start + len(suffix))}) for suffix in built.suffixes])
+    outcomes = generate_settings(loaded, methods, prompt, **options)
+    out = {}
+    for tag, outcome in outcomes.items():
+        records, error = [], None
+        for i, answer in enumerate(question_outcomes(outcome, len(facts))):
+            if answer.error is not None:
+                error = error or answer.error
+                continue
+            record = answer_record(loaded.tokenizer, answer, facts[i][1], length=length, depth=depth, question_index=i,
+                                   needles=len(facts), needle_depth=built.depths[i], prompt_tokens=start + len(built.suffixes[i]),
+                                   needle_token_index=built.spans[i][0], needle_depth_actual=built.depth_actual[i],
+                                   question_start=start, **fixed)
+            kept = [record.get(f"needle_{j}_kept") for j in range(len(facts))]
+            if all(k is not None for k in kept):  # the aggregate: mean over the needles (the asked one: needle_<i>_kept)
+                record["needle_kept"] = round(sum(kept) / len(kept), 4)
+            records.append(record)
+        if error is not None:
+            logs[tag].append(records)
+        out[tag] = records if error is None else error
+    return out

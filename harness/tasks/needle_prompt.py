@@ -5,6 +5,9 @@ the prefix is the template text before the context (system prompt / instructions
 the template text after it (the question and what the template puts after it). The needle goes in
 at `depth` percent of the context by the original rule: at `point = int(len(context) * depth / 100)`,
 walk back to just after the previous sentence-final period token (depth 100 appends at the end).
+`place_needles` is that rule for one or several needles, with the placement check below: the one
+placement function of every task that inserts token ids into a haystack (needle, observation). RULER places its
+needles in text by sentence index, as RULER does, and tokenizes once (harness/tasks/ruler.py).
 
 Period tokens (`is_period_token`): a token is a sentence-final period when its decoded text, with
 whitespace stripped, ends with "." and holds no letter or digit. That is the rule for the ids the
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Collection
+from typing import Any, Collection, Sequence
 
 from omegaconf import DictConfig
 
@@ -145,17 +148,74 @@ def prompt_parts(task: DictConfig, loaded) -> PromptParts:
     )
 
 
-def insert_needle(context: list[int], needle: list[int], depth: float, is_period) -> tuple[list[int], int]:
-    """The original rule: at `depth`% of the context, walking back to just after a period token
-    (`is_period`: a set of ids or a predicate on an id); 100 appends at the end, no period before
-    the point gives position 0."""
+@dataclass
+class Placement:
+    """Where `place_needles` put each needle: `ids` is the context with every needle inserted; per needle,
+    in the order given, `starts` is its first token in `ids`, `points` its insertion point in the original
+    context and `depth_actual` that point as a percent of the context's length (100 when appended)."""
+
+    ids: list[int]
+    starts: list[int]
+    points: list[int]
+    depth_actual: list[float]
+
+
+def place_needles(context: Sequence[int], needles: Sequence[tuple[Sequence[int], float]], is_period, *,
+                  tolerance: float = DEPTH_TOLERANCE, check: bool = True, where: str = "needle") -> Placement:
+    """Insert needles into a haystack by the original rule, with the depth check. Every task that puts
+    token ids into a haystack (needle, observation) calls this one function (RULER inserts in text, as RULER does).
+
+    Inputs: `context`, the haystack's token ids (no template around it); `needles`, a list of
+    (needle token ids, depth in percent of the context); `is_period`, which ids end a sentence (a
+    `PeriodRule`, a predicate on an id, or a set of ids: never `tok(".")`, see the module docstring).
+    Each needle's point is computed on the ORIGINAL context: `int(len(context) * depth / 100)`, walked
+    back to just after the previous period token (depth >= 100 appends at the end). Needles sharing a
+    point keep the order given. With `check`, a needle that starts more than `tolerance` points and
+    more than SENTENCE_TOKENS tokens before its requested point is a HarnessError starting with
+    `where` (name the cell there; with several needles, the needle's index and depth follow).
+
+    Output: a `Placement`: the new ids (context + every needle) and, per needle in the order given, its
+    start in the new ids, its point in the original context, and its actual depth in percent."""
     test = is_period if callable(is_period) else is_period.__contains__
-    if depth >= 100:
-        return context + needle, len(context)
-    point = int(len(context) * depth / 100)
-    while point > 0 and not test(context[point - 1]):
-        point -= 1
-    return context[:point] + needle + context[point:], point
+    context = list(context)
+    n = len(context)
+    points, actual = [], []
+    for i, (_, depth) in enumerate(needles):
+        if depth >= 100:
+            points.append(n)
+            actual.append(100.0)
+            continue
+        point = want = int(n * depth / 100)
+        while point > 0 and not test(context[point - 1]):
+            point -= 1
+        pct = 100.0 * point / n if n else 0.0
+        if check and abs(pct - depth) > tolerance and want - point > SENTENCE_TOKENS:
+            label = where if len(needles) == 1 else f"{where} needle {i} (depth {depth:g})"
+            raise HarnessError(
+                f"{label}: the needle starts at {pct:.1f}% of the {n}-token context (token {point}, the requested "
+                f"point is token {want}): more than {tolerance:g} points and {SENTENCE_TOKENS} tokens away, because the "
+                f"haystack has no sentence-final period token (decoded text ending in '.', no letters) in between; use a "
+                f"haystack of '.'-terminated sentences (task.haystack_dir) or raise task.depth_tolerance")
+        points.append(point)
+        actual.append(round(pct, 4))
+    order = sorted(range(len(needles)), key=lambda i: (points[i], i))
+    ids: list[int] = []
+    starts = [0] * len(needles)
+    taken = 0
+    for i in order:
+        ids += context[taken:points[i]]
+        taken = points[i]
+        starts[i] = len(ids)
+        ids += needles[i][0]
+    ids += context[taken:]
+    return Placement(ids=ids, starts=starts, points=points, depth_actual=actual)
+
+
+def insert_needle(context: list[int], needle: list[int], depth: float, is_period) -> tuple[list[int], int]:
+    """One needle by `place_needles`' rule, unchecked: (new ids, its position); no period before the
+    point gives position 0."""
+    placed = place_needles(context, [(needle, depth)], is_period, check=False)
+    return placed.ids, placed.starts[0]
 
 
 def build_cell(haystack: list[int], parts: PromptParts, length: int, depth: float) -> NeedleCell:
@@ -165,16 +225,10 @@ def build_cell(haystack: list[int], parts: PromptParts, length: int, depth: floa
         raise HarnessError(f"task.lengths: {length} tokens cannot hold the prompt template and needle ({length - n_context} tokens)")
     if len(haystack) < n_context:
         raise HarnessError(f"task.lengths: {length} needs {n_context} haystack tokens but the haystack has {len(haystack)}")
-    context, at = insert_needle(haystack[:n_context], parts.needle, depth, parts.periods)
-    actual = 100.0 if depth >= 100 else 100.0 * at / n_context
-    point = int(n_context * depth / 100) if depth < 100 else n_context
-    if abs(actual - depth) > parts.depth_tolerance and point - at > SENTENCE_TOKENS:
-        raise HarnessError(
-            f"needle cell length={length} depth={depth:g}: the needle starts at {actual:.1f}% of the {n_context}-token context "
-            f"(token {at}, the requested point is token {point}): more than {parts.depth_tolerance:g} points and {SENTENCE_TOKENS} "
-            f"tokens away, because the haystack has no sentence-final period token (decoded text ending in '.', no letters) "
-            f"in between; use a haystack of '.'-terminated sentences (task.haystack_dir) or raise task.depth_tolerance")
+    placed = place_needles(haystack[:n_context], [(parts.needle, depth)], parts.periods, tolerance=parts.depth_tolerance,
+                           where=f"needle cell length={length} depth={depth:g}")
+    context, at, actual = placed.ids, placed.starts[0], placed.depth_actual[0]
     start = len(parts.prefix) + at
     ids = parts.prefix + context + parts.suffix
     return NeedleCell(ids=ids, needle_start=start, needle_end=start + len(parts.needle),
-                      question_start=len(ids) - len(parts.suffix), depth_actual=round(actual, 4))
+                      question_start=len(ids) - len(parts.suffix), depth_actual=actual)

@@ -5,6 +5,9 @@ Every prompt runs with the FULL cache. Inside `attention_probe` (harness/methods
 attention call of every layer hands us its queries (after RoPE) and all the keys it attends to; we
 compute attention ourselves from those, one layer at a time, never an L x L matrix, and keep only
 reduced results (selection masks, sums). Any attention implementation works (sdpa, flash, eager).
+A decode step only keeps its query (no tensor work, so a probed step costs about a plain one); the
+generated queries' attention is computed after generation, a few batched softmaxes per layer
+(`HitRateProbe.finish`, timed as `probe_seconds` in each prompt's record).
 
 Definitions (the paper's, shared/reference/snapkv.md "The observation experiments", Eq. 4-8), with
 L the prompt length, w = `window_tokens`, N = `prompt_windows`, p = `rate`, theta = `theta`:
@@ -151,26 +154,32 @@ def grouped_logits(queries: torch.Tensor, keys: torch.Tensor, scaling: float) ->
     return logits.reshape(hq, n, t)
 
 
+def causal_attention(queries: torch.Tensor, keys: torch.Tensor, start: int, scaling: float) -> torch.Tensor:
+    """Causal softmax attention (Hq, n, T) in float32 of the queries (Hq, n, d) at positions start .. start + n - 1
+    over the keys (Hkv, T, d) at positions 0 .. T - 1: each query's softmax runs over the keys it sees
+    ([0, its own position]); later keys get 0."""
+    n, t = queries.shape[1], keys.shape[1]
+    require(start + n <= t, "observation: causal_attention needs the keys up to the last query's position")
+    logits = grouped_logits(queries, keys, scaling)
+    rows = torch.arange(n, device=logits.device)
+    cols = torch.arange(t, device=logits.device)
+    logits.masked_fill_(cols[None, :] > (start + rows)[:, None], float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
 def window_votes(queries: torch.Tensor, keys: torch.Tensor, start: int, prefix: int, scaling: float) -> torch.Tensor:
     """Vote (Hq, prefix) of the window of queries (Hq, w, d) at positions start .. start + w - 1.
 
     `keys` (Hkv, start + w, d): every key up to the window's end. Each query's softmax runs over the keys it
     sees causally ([0, its own position]); the votes are the sums over the window of the prefix columns."""
-    w = queries.shape[1]
-    end = start + w
-    require(keys.shape[1] == end, "observation: window_votes needs the keys up to the window's end")
-    logits = grouped_logits(queries, keys, scaling)
-    rows = torch.arange(w, device=logits.device)
-    cols = torch.arange(end, device=logits.device)
-    future = cols[None, :] > (start + rows)[:, None]
-    logits.masked_fill_(future, float("-inf"))
-    return torch.softmax(logits, dim=-1)[..., :prefix].sum(dim=1)
+    require(keys.shape[1] == start + queries.shape[1], "observation: window_votes needs the keys up to the window's end")
+    return causal_attention(queries, keys, start, scaling)[..., :prefix].sum(dim=1)
 
 
 def decode_attention(query: torch.Tensor, keys: torch.Tensor, prefix: int, scaling: float) -> torch.Tensor:
     """Softmax attention (Hq, prefix) of one new query (Hq, 1, d) over all keys (Hkv, T, d): the softmax
     over all T keys (prompt and generated so far), its prefix columns."""
-    return torch.softmax(grouped_logits(query, keys, scaling), dim=-1)[:, 0, :prefix]
+    return causal_attention(query, keys, keys.shape[1] - 1, scaling)[:, 0, :prefix]
 
 
 def topk_mask(votes: torch.Tensor, k: int) -> torch.Tensor:
@@ -198,17 +207,22 @@ def overlap(selected_a: torch.Tensor, selected_b: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------------------ the capture
 
+BLOCK_ELEMENTS = 1 << 26  # float32 attention entries (256 MiB) one batched softmax may hold
+
+
 @dataclass
 class LayerCapture:
     masks: torch.Tensor                      # (N, Hq, P) bool: each prompt window's selection
     last_votes: torch.Tensor | None          # (Hq, P) float32 on the CPU (Fig. 4), when asked for
-    gen_votes: torch.Tensor                  # (Hq, P) float32: attention summed over all generated queries
-    window_votes: torch.Tensor               # (Hq, P) float32: summed over the current generation window
-    fig2_sum: torch.Tensor                   # (N,) float64
-    fig3_sum: torch.Tensor                   # (M,) float64
-    fig3_count: torch.Tensor                 # (M,) int64
-    counted: torch.Tensor                    # () int64: generated queries with an important position
-    important: torch.Tensor                  # () float64: important positions, summed over queries
+    queries: list = field(default_factory=list)   # each decode step's query (Hq, d), until `finish`
+    keys: torch.Tensor | None = None         # the latest decode call's keys (Hkv, L + steps, d), until `finish`
+    scaling: float = 1.0
+    gen_votes: torch.Tensor | None = None    # (Hq, P) float32: attention summed over all generated queries
+    fig2_sum: torch.Tensor | None = None     # (N,) float64
+    fig3_sum: torch.Tensor | None = None     # (M,) float64
+    fig3_count: torch.Tensor | None = None   # (M,) int64
+    counted: int = 0                         # generated queries with an important position
+    important: float = 0.0                   # important positions, summed over queries
     vote_overlap: list = field(default_factory=list)
     steps: int = 0
 
@@ -216,11 +230,14 @@ class LayerCapture:
 class HitRateProbe:
     """`attention_probe` callback for one prompt of `prompt_length` tokens (batch 1, one-shot prefill).
 
-    Prefill call (q == k == L): the N windows' votes and selections, per layer. Decode call (q == 1):
-    the generated query's attention over the prefix, its important positions, and the running hit-rate
-    sums. Everything stays on the model's device; nothing is synchronized per step."""
+    Prefill call (q == k == L): the N windows' votes and selections, per layer, several windows per
+    batched softmax. Decode call (q == 1): only keeps the generated query and a reference to the keys
+    (no tensor work: a probed decode step costs what a plain one does). `finish()` (called by `results`
+    and `votes`) then computes every generated query's attention in a few batched softmaxes per layer:
+    query t sees the keys [0, L + t], exactly the keys its decode call saw (the cache only appends).
+    `on_step`, if given, is called once per decode step (progress)."""
 
-    def __init__(self, prompt_length: int, params: Params, *, keep_votes: bool = False):
+    def __init__(self, prompt_length: int, params: Params, *, keep_votes: bool = False, on_step=None):
         self.length = prompt_length
         self.params = params
         self.prefix = params.prefix_length(prompt_length)
@@ -230,14 +247,19 @@ class HitRateProbe:
                                               f"{params.prompt_windows} windows of {params.window_tokens} tokens")
         require(self.k > 0, f"observation: rate {params.rate} of a {self.prefix - self.first}-position prefix selects nothing")
         self.keep_votes = keep_votes
+        self.on_step = on_step
         self.layers: dict[int, LayerCapture] = {}
         self.skipped: dict[int, str] = {}
+        self._first_layer: int | None = None
 
     def __call__(self, module, query: torch.Tensor, key: torch.Tensor) -> None:
         idx = int(module.layer_idx)
+        q, t = query.shape[2], key.shape[2]
+        if self.on_step is not None and q == 1 and idx == (self._first_layer if self._first_layer is not None else idx):
+            self._first_layer = idx
+            self.on_step()
         if idx in self.skipped:
             return
-        q, t = query.shape[2], key.shape[2]
         require(query.shape[0] == 1, "observation: batch 1 only")
         window = getattr(module, "sliding_window", None)
         if window and self.length + self.params.generated_queries > int(window):
@@ -248,59 +270,91 @@ class HitRateProbe:
             if q == t == self.length:
                 self._prefill(idx, query[0], key[0], scaling)
             elif q == 1 and t > self.length:
-                self._decode(idx, query[0], key[0], scaling)
+                self._decode(idx, query[0], key[0])
             else:
                 raise HarnessError(f"observation: unexpected attention call in layer {idx} ({q} queries, {t} keys, "
                                    f"prompt {self.length}): the prompt must be prefilled in one forward")
 
     def _prefill(self, idx: int, queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
         p = self.params
-        hq = queries.shape[0]
-        masks = torch.empty((p.prompt_windows, hq, self.prefix - self.first), dtype=torch.bool, device=queries.device)
-        last = None
-        for j in range(p.prompt_windows):
-            start = self.length - (p.prompt_windows - j) * p.window_tokens
-            end = start + p.window_tokens
-            votes = window_votes(queries[:, start:end], keys[:, :end], start, self.prefix, scaling)[:, self.first:]
-            masks[j] = topk_mask(votes, self.k)
-            last = votes
-        dev = queries.device
-        zeros = lambda: torch.zeros((hq, self.prefix - self.first), dtype=torch.float32, device=dev)  # noqa: E731
-        self.layers[idx] = LayerCapture(
-            masks=masks, last_votes=last.cpu() if self.keep_votes else None, gen_votes=zeros(), window_votes=zeros(),
-            fig2_sum=torch.zeros(p.prompt_windows, dtype=torch.float64, device=dev),
-            fig3_sum=torch.zeros(p.generation_windows, dtype=torch.float64, device=dev),
-            fig3_count=torch.zeros(p.generation_windows, dtype=torch.int64, device=dev),
-            counted=torch.zeros((), dtype=torch.int64, device=dev), important=torch.zeros((), dtype=torch.float64, device=dev))
+        hq, n, w = queries.shape[0], p.prompt_windows, p.window_tokens
+        votes = torch.empty((n, hq, self.prefix - self.first), dtype=torch.float32, device=queries.device)
+        group = max(1, min(n, BLOCK_ELEMENTS // (hq * w * self.length)))  # windows per batched softmax
+        for j in range(0, n, group):
+            g = min(group, n - j)
+            start = self.length - (n - j) * w
+            end = start + g * w                      # consecutive windows: one causal block of g * w queries
+            attn = causal_attention(queries[:, start:end], keys[:, :end], start, scaling)[..., self.first:self.prefix]
+            votes[j:j + g] = attn.reshape(hq, g, w, -1).sum(dim=2).transpose(0, 1)
+            del attn
+        self.layers[idx] = LayerCapture(masks=topk_mask(votes, self.k), last_votes=votes[-1].cpu() if self.keep_votes else None,
+                                        scaling=scaling)
 
-    def _decode(self, idx: int, query: torch.Tensor, keys: torch.Tensor, scaling: float) -> None:
+    def _decode(self, idx: int, query: torch.Tensor, keys: torch.Tensor) -> None:
         cap = self.layers.get(idx)
         if cap is None:
             raise HarnessError(f"observation: layer {idx} decoded before its prefill was seen")
-        p = self.params
-        attn = decode_attention(query, keys, self.prefix, scaling)[:, self.first:]   # (Hq, P - skip_first)
-        important = attn > p.theta
-        total = important.sum()
-        hits = (cap.masks & important).sum(dim=(-1, -2)).double()         # (N,)
-        ok = total > 0
-        rate = torch.where(ok, hits / total.clamp(min=1).double(), torch.zeros_like(hits))
-        cap.fig2_sum += rate
-        cap.counted += ok.long()
-        cap.important += total.double()
-        cap.gen_votes += attn
-        m = cap.steps // p.generation_window_tokens
-        if m < p.generation_windows:
-            cap.fig3_sum[m] += rate[-1]
-            cap.fig3_count[m] += ok.long()
-            cap.window_votes += attn
-            if cap.steps % p.generation_window_tokens == p.generation_window_tokens - 1:
-                mine = topk_mask(cap.window_votes, self.k)
-                cap.vote_overlap.append((mine & cap.masks[-1]).sum() / mine.sum().clamp(min=1))
-                cap.window_votes.zero_()
+        if keys.shape[1] != self.length + cap.steps + 1:
+            raise HarnessError(f"observation: layer {idx} decode step {cap.steps} sees {keys.shape[1]} keys, expected "
+                               f"{self.length + cap.steps + 1}: the probe needs a cache that only appends")
+        cap.queries.append(query[:, 0])
+        cap.keys = keys
         cap.steps += 1
+
+    def finish(self) -> None:
+        """Every generated query's hit rates, from the queries and keys kept (idempotent)."""
+        with torch.no_grad():
+            for cap in self.layers.values():
+                if cap.gen_votes is None:
+                    self._finish_layer(cap)
+
+    def _finish_layer(self, cap: LayerCapture) -> None:
+        p = self.params
+        hq, n_windows = cap.masks.shape[1], p.prompt_windows
+        dev = cap.masks.device
+        cap.gen_votes = torch.zeros((hq, self.prefix - self.first), dtype=torch.float32, device=dev)
+        cap.fig2_sum = torch.zeros(n_windows, dtype=torch.float64, device=dev)
+        cap.fig3_sum = torch.zeros(p.generation_windows, dtype=torch.float64, device=dev)
+        cap.fig3_count = torch.zeros(p.generation_windows, dtype=torch.int64, device=dev)
+        if not cap.steps:
+            return
+        queries = torch.stack(cap.queries, dim=1)                   # (Hq, steps, d)
+        keys, cap.queries, cap.keys = cap.keys, [], None
+        masks = cap.masks.reshape(n_windows, -1).float()            # (N, Hq * P): 0/1, exact sums below 2^24
+        last_mask = cap.masks[-1]
+        gw = p.generation_window_tokens
+        rows = max(1, BLOCK_ELEMENTS // (hq * keys.shape[1]))
+        counted, important, window_votes = 0, 0.0, None
+        lo = 0
+        while lo < cap.steps:
+            hi = min(cap.steps, lo + rows, (lo // gw + 1) * gw)     # a block never crosses a generation window
+            attn = causal_attention(queries[:, lo:hi], keys[:, :self.length + hi], self.length + lo, cap.scaling)
+            attn = attn[..., self.first:self.prefix]                  # (Hq, b, P - skip_first)
+            imp = attn > p.theta
+            total = imp.sum(dim=(0, 2)).double()                      # (b,)
+            hits = imp.transpose(0, 1).reshape(hi - lo, -1).float() @ masks.T   # (b, N): important AND selected
+            ok = total > 0
+            rate = torch.where(ok[:, None], hits.double() / total.clamp(min=1)[:, None], torch.zeros_like(hits, dtype=torch.float64))
+            cap.fig2_sum += rate.sum(dim=0)
+            counted += int(ok.sum())
+            important += float(total.sum())
+            block_votes = attn.sum(dim=1)
+            cap.gen_votes += block_votes
+            m = lo // gw
+            if m < p.generation_windows:
+                cap.fig3_sum[m] += rate[:, -1].sum()
+                cap.fig3_count[m] += ok.sum()
+                window_votes = block_votes if lo % gw == 0 else window_votes + block_votes
+                if hi == (m + 1) * gw:                                # the generation window is complete
+                    mine = topk_mask(window_votes, self.k)
+                    cap.vote_overlap.append(float((mine & last_mask).sum()) / max(1, int(mine.sum())))
+            del attn, imp
+            lo = hi
+        cap.counted, cap.important = counted, important
 
     def results(self, num_layers: int) -> dict:
         """Per-layer arrays (None for a layer not measured), rounded for the record."""
+        self.finish()
         p = self.params
         out = {"fig2_hit_rate": [], "fig3_hit_rate": [], "fig3_vote_overlap": [], "important_per_head": [],
                "counted_queries": [], "decoded_queries": []}
@@ -314,7 +368,7 @@ class HitRateProbe:
             fig2 = (cap.fig2_sum / counted).tolist() if counted else [None] * p.prompt_windows
             counts = cap.fig3_count.tolist()
             fig3 = [s / c if c else None for s, c in zip(cap.fig3_sum.tolist(), counts)]
-            overlaps = [float(v) for v in cap.vote_overlap] + [None] * (p.generation_windows - len(cap.vote_overlap))
+            overlaps = list(cap.vote_overlap) + [None] * (p.generation_windows - len(cap.vote_overlap))
             heads = cap.masks.shape[1]
             out["fig2_hit_rate"].append(_round(fig2))
             out["fig3_hit_rate"].append(_round(fig3))
@@ -329,6 +383,7 @@ class HitRateProbe:
         prompt window's vote, `generation` = the attention summed over all generated queries."""
         if which == "last":
             return {i: c.last_votes for i, c in self.layers.items() if c.last_votes is not None}
+        self.finish()
         return {i: c.gen_votes.cpu() for i, c in self.layers.items()}
 
 
@@ -488,16 +543,20 @@ def truncate_middle(ids: list[int], budget: int) -> list[int]:
 
 def haystack_documents(task: DictConfig, loaded: LoadedModel) -> list[Document]:
     """One document per (length, copy): a slice of the needle haystack (consecutive slices for the copies)
-    with every needle inserted at its depth (needle's rule: walk back to a period), so that the document is
-    the same for every question; its length makes the longest prompt exactly `length` tokens."""
-    from harness.tasks.needle import haystack_files, insert_needle
+    with every needle inserted at its depth by needle's rule and check (`needle_prompt.place_needles`: each
+    point on the original slice, walked back to a sentence-final period token), so that the document is
+    the same for every question; its length makes the longest prompt exactly `length` tokens. The record's
+    meta holds each needle's token index in the document and its actual depth (`needle_depth_actual`)."""
+    from harness.tasks.needle import haystack_files
+    from harness.tasks.needle_prompt import DEPTH_TOLERANCE, PeriodRule, place_needles
 
     tok = loaded.tokenizer
     suffix = str(task.get("instruction_suffix") or "")
     instructions = [Instruction(f"q{i}", str(nd.question) + suffix, str(nd.get("answer") or "") or None)
                     for i, nd in enumerate(task.needles)]
     needles = [(tok(str(nd.text), add_special_tokens=False)["input_ids"], float(nd.depth)) for nd in task.needles]
-    period_ids = set(tok(".", add_special_tokens=False)["input_ids"])
+    periods = PeriodRule(tok)
+    tolerance = float(DEPTH_TOLERANCE if task.get("depth_tolerance") is None else task.depth_tolerance)
     text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
     haystack = tok(text, add_special_tokens=False)["input_ids"]
     extra = overhead(loaded, task, instructions) + sum(len(n) for n, _ in needles)
@@ -510,19 +569,11 @@ def haystack_documents(task: DictConfig, loaded: LoadedModel) -> list[Document]:
         hay = haystack * math.ceil(need / len(haystack))
         for c in range(copies):
             context = hay[c * n_context:(c + 1) * n_context]
-            points = [insert_needle(context, [], depth, period_ids)[1] for _, depth in needles]
-            doc = list(context)
-            for (needle, _), point in sorted(zip(needles, points), key=lambda x: -x[1]):
-                doc[point:point] = needle
-            # token index of each needle in the document (after every insertion)
-            order = sorted(range(len(needles)), key=lambda i: points[i])
-            shift = 0
-            at = [0] * len(needles)
-            for i in order:
-                at[i] = points[i] + shift
-                shift += len(needles[i][0])
-            docs.append(Document(f"haystack-{length}-{c}", doc, instructions,
-                                 {"length": length, "copy": c, "needle_token_index": at}))
+            placed = place_needles(context, needles, periods, tolerance=tolerance,
+                                   where=f"observation document length={length} copy={c}")
+            docs.append(Document(f"haystack-{length}-{c}", placed.ids, instructions,
+                                 {"length": length, "copy": c, "needle_token_index": placed.starts,
+                                  "needle_depth_actual": placed.depth_actual}))
     return docs
 
 
@@ -570,12 +621,17 @@ def make_documents(task: DictConfig, loaded: LoadedModel) -> list[Document]:
 
 # ------------------------------------------------------------------------------------------ one prompt
 
-def observe_prompt(loaded: LoadedModel, ids: list[int], params: Params, *, keep_votes: bool) -> tuple[HitRateProbe, dict]:
-    """Generate G tokens for `ids` with the full cache under the probe; returns the probe and the generation."""
+def observe_prompt(loaded: LoadedModel, ids: list[int], params: Params, *, keep_votes: bool, on_step=None
+                   ) -> tuple[HitRateProbe, dict]:
+    """Generate G tokens for `ids` with the full cache under the probe; returns the probe (finished) and the
+    generation. `on_step()` runs once per decode step (progress). `probe_seconds`: the probe's batched
+    analysis after generation (`HitRateProbe.finish`), outside the decode timings."""
+    import time
+
     from harness.decoding import greedy_generate
     from harness.methods.engine import attention_probe
 
-    probe = HitRateProbe(len(ids), params, keep_votes=keep_votes)
+    probe = HitRateProbe(len(ids), params, keep_votes=keep_votes, on_step=on_step)
     g = params.generated_queries
     options = {"eos_token_ids": loaded.eos_token_ids}
     if params.eos == "ban":
@@ -585,10 +641,16 @@ def observe_prompt(loaded: LoadedModel, ids: list[int], params: Params, *, keep_
     x = torch.tensor([ids], dtype=torch.long, device=loaded.device)
     with attention_probe(loaded.model, probe):
         gen = greedy_generate(loaded.model, x, max_new_tokens=g + 1, **options)
+    started = time.perf_counter()
+    probe.finish()
+    if loaded.device.type == "cuda":
+        torch.cuda.synchronize(loaded.device)
+    probe_seconds = time.perf_counter() - started
     tokens = gen.tokens[0]
     eos_at = next((i for i, t in enumerate(tokens) if t in set(loaded.eos_token_ids)), None)
     return probe, {"tokens": tokens, "eos_at": eos_at, "stopped_by": gen.stopped_by[0],
-                   "prefill_seconds": round(gen.prefill_seconds, 4), "decode_seconds": round(gen.decode_seconds, 4)}
+                   "prefill_seconds": round(gen.prefill_seconds, 4), "decode_seconds": round(gen.decode_seconds, 4),
+                   "probe_seconds": round(probe_seconds, 4)}
 
 
 def selection_overlaps(votes: list[dict[int, torch.Tensor]], common: int, params: Params, num_layers: int) -> list[list]:
@@ -640,6 +702,11 @@ def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = 
              max(len(d.instructions) for d in docs), positions, num_layers, g)
     doc_log = run_dir.log(LOG_FILE, key="document")
     tok = loaded.tokenizer
+    # Progress in generated tokens (a document is minutes of work on a CPU): every prompt still to do adds G.
+    from tqdm import tqdm
+
+    todo = sum(len(d.instructions) * len(positions) for d in docs if (d.id,) not in doc_log.records)
+    bar = tqdm(total=todo * g, desc="observation: generated tokens", unit="token", disable=not progress, dynamic_ncols=True)
 
     def work(doc: Document) -> dict:
         prompts = []
@@ -652,16 +719,21 @@ def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = 
                 row = {"instruction": ins.id, "position": pos, "prompt_tokens": len(ids), "prefix_tokens": prefix,
                        "k": params.k(compared), "spans": spans,
                        "instruction_in_windows": spans["instruction"][1] > prefix}
+                bar.set_postfix_str(f"{doc.id} {ins.id} {pos}", refresh=False)
+                counted_before = bar.n
                 if prefix < params.window_tokens or params.k(compared) < 1:
                     row["skipped"] = f"prompt of {len(ids)} tokens: prefix {prefix} shorter than a window"
                     prompts.append(row)
+                    bar.update(g)
                     continue
-                probe, gen = observe_prompt(loaded, ids, params, keep_votes=(pos == primary))
+                probe, gen = observe_prompt(loaded, ids, params, keep_votes=(pos == primary), on_step=lambda: bar.update(1))
+                bar.update(counted_before + g - bar.n)  # a response that ended at EOS still counts G
                 response = tok.decode(gen["tokens"][:g], skip_special_tokens=True).strip()
                 row.update(probe.results(num_layers))
                 row.update({"chance": round(probe.k / (probe.prefix - probe.first), 4), "skipped_layers": {str(k): v for k, v in probe.skipped.items()},
                             "response": response, "eos_at": gen["eos_at"], "stopped_by": gen["stopped_by"],
-                            "prefill_seconds": gen["prefill_seconds"], "decode_seconds": gen["decode_seconds"]})
+                            "prefill_seconds": gen["prefill_seconds"], "decode_seconds": gen["decode_seconds"],
+                            "probe_seconds": gen["probe_seconds"]})
                 if ins.answer:
                     row["answer_recall"] = round(keyword_recall(response, ins.answer), 4)
                 if pos == primary:
@@ -681,8 +753,11 @@ def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = 
             }
         return record
 
-    outcome = run_items(docs, log_file=doc_log, key=lambda d: (d.id,), work=work, desc="observation documents",
-                        failures_path=run_dir.path / "failures.json", progress=progress)
+    try:
+        outcome = run_items(docs, log_file=doc_log, key=lambda d: (d.id,), work=work, desc="observation documents",
+                            failures_path=run_dir.path / "failures.json", progress=False)
+    finally:
+        bar.close()
     records = [doc_log.records[(d.id,)] for d in docs if (d.id,) in doc_log.records]
     summary = summarize(records, params, num_layers, primary)
     summary["failed_documents"] = len(outcome.failures)

@@ -342,13 +342,20 @@ def test_every_method_on_tiny_models(name, family, attn):
     model = tiny_model(family, attn)
     num_layers = model.config.num_hidden_layers
     hq, hkv = model.config.num_attention_heads, model.config.num_key_value_heads
+    if METHODS[name].across_layers and not METHODS[name].supports_sliding_layers:
+        pytest.skip(f"{name} replays text through a tokenizer: tests/methods/test_kvzip.py and test_engine.py run it")
     for gqa in ("expand", "mean"):
         method = build(name, budget=64, gqa=gqa)
         method.validate(num_layers, model.config.max_position_embeddings)
-        budgets = [method.layer_budget(i, num_layers) for i in range(num_layers)]
         with compression(model, method) as state:
             gen = greedy_generate(model, prompt(), max_new_tokens=NEW_TOKENS, keep_cache=True)
         assert len(gen.tokens[0]) == NEW_TOKENS
+        if not getattr(type(method), "EXACT_BUDGET", True):
+            # whole chunks (ChunkKV), budgets per head (AdaKV) or per layer (CAKE): the kept counts are the method's
+            # own (checked in its definition tests); here: every layer compressed, and the cache is what was kept
+            assert all(r.compressed for r in state.states[method.name].layers.values()) and len(state.after) == num_layers, gqa
+            continue
+        budgets = [method.layer_budget(i, num_layers) for i in range(num_layers)]
         heads = hq if getattr(method, "gqa", "expand") == "expand" else hkv
         assert [state.after[i] for i in range(num_layers)] == [(heads, b) for b in budgets], (gqa, budgets)
         lengths = [tuple(gen.cache.layers[i].keys.shape[1:3]) for i in range(num_layers)]
@@ -356,6 +363,8 @@ def test_every_method_on_tiny_models(name, family, attn):
 
     # budget == prompt length: the selection runs on every layer (with gqa=expand it rebuilds each layer's cache
     # with the query heads) and keeps every position, so decoding is the uncompressed one
+    if not getattr(type(method), "EXACT_BUDGET", True):
+        return
     method = build(name, budget=PROMPT_LENGTH, gqa="expand")
     method.validate(num_layers, model.config.max_position_embeddings)
     with compression(model, method) as state:

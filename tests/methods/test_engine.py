@@ -20,10 +20,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from conftest import BACKENDS, tiny_model
+from conftest import BACKENDS, compose, tiny_model
 from harness.decoding import greedy_generate
 from harness.errors import HarnessError
-from harness.methods import build_method, compression
+from harness.methods import METHODS, build_method, compression
 from harness.models import LoadedModel
 from harness.tasks.common import Prompt, generate_settings
 
@@ -40,11 +40,44 @@ def methods(gqa: str, per_layer: bool = False) -> dict:
         "pyramidkv": build_method({"name": "pyramidkv", "budget": 48, "window_size": 8, "kernel_size": 5, "pooling": "maxpool", "beta": 4, "gqa": gqa}),
         "streamingllm": build_method({"name": "streamingllm", "budget": 48, "sink_tokens": 4, "window_size": 0, "gqa": gqa}),
         "ratio": build_method({"name": "snapkv", "budget": None, "ratio": 0.3, "window_size": 8, "kernel_size": 5, "pooling": "maxpool", "gqa": gqa}),
+        **{name: method for name, method in registered_methods(gqa).items() if name not in HAND_SET},
     }
 
 
+HAND_SET = ("full", "snapkv", "h2o", "pyramidkv", "streamingllm")
+
+
+def registered_methods(gqa: str) -> dict:
+    """Every registered method from its own config (conf/method/<name>.yaml), at a budget of 48 tokens and
+    a window of at most 8, so each one is held to the same reference as the hand-set ones above."""
+    out = {}
+    for name in sorted(METHODS):
+        cfg = compose(f"method={name}").method
+        options = {k: v for k, v in dict(cfg).items() if k != "tag"}
+        if "budget" in options:
+            options.update(budget=48, ratio=None)
+        if isinstance(options.get("window_size"), int) and options["window_size"] > 8:
+            options["window_size"] = 8
+        if "gqa" in options:
+            options["gqa"] = gqa
+        out[name] = build_method(options)
+    return out
+
+
+class CharTokenizer:
+    """Text -> ids for the tiny models (methods that tokenize text of their own: KVzip's replay prompt)."""
+
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [3 + ord(c) % 990 for c in text]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
 def loaded_of(model) -> LoadedModel:
-    return LoadedModel(model=model, tokenizer=None, name="tiny", chat_format="none", eos_token_ids=[], max_positions=4096,
+    return LoadedModel(model=model, tokenizer=CharTokenizer(), name="tiny", chat_format="none", eos_token_ids=[], max_positions=4096,
                        prompt_max_length=None, device=torch.device("cpu"))
 
 
@@ -106,14 +139,24 @@ def keep_masks(kept: dict, heads: int, end: int) -> dict:
         if pos is None:
             continue
         pos = pos.repeat_interleave(heads // pos.shape[1], dim=1)
-        masks[idx] = torch.zeros(pos.shape[0], heads, end, dtype=torch.bool).scatter_(2, pos, True)
+        pos = torch.where(pos < 0, end, pos)  # -1: padding after a head's own count (per-head budgets)
+        masks[idx] = torch.zeros(pos.shape[0], heads, end + 1, dtype=torch.bool).scatter_(2, pos, True)[..., :end]
     return masks
 
 
 def engine_logits(model, run):
     """Run `run()` with the lm_head's outputs captured: the logits of every forward the engine made."""
+    from harness.methods.engine import attention_modules
+
     seen = []
-    handle = model.lm_head.register_forward_hook(lambda m, a, o: seen.append(o[:, -1:].detach().clone()))
+    first_attention = attention_modules(model)[0]
+
+    def keep(module, args, output):
+        session = getattr(first_attention, "_kvharness_session", None)
+        if session is None or session.replaying is None:  # not a method's own replay forward (KVzip)
+            seen.append(output[:, -1:].detach().clone())
+
+    handle = model.lm_head.register_forward_hook(keep)
     try:
         result = run()
     finally:
@@ -273,7 +316,6 @@ def test_flash_attention_keeps_its_name_for_the_kernel_loader(one_thread):
     try:
         model = tiny_model("llama", "sdpa")
         ids = prompt_ids()
-        reference = greedy_generate(model, ids, max_new_tokens=6)
         model.config._attn_implementation = "flash_attention_2"
         with compression(model, methods("expand")["snapkv_b64"]) as session:
             assert model.config._attn_implementation == "flash_attention_2"
@@ -281,7 +323,12 @@ def test_flash_attention_keeps_its_name_for_the_kernel_loader(one_thread):
         assert session.after == {0: (4, 64), 1: (4, 64)}
         assert seen and set(seen) == {"flash_attention_2"}
         assert ALL_ATTENTION_FUNCTIONS["flash_attention_2"] is stand_in  # restored after the block
-        assert len(out.tokens[0]) == 6 and reference.tokens
+        # the flash path (the stand-in runs sdpa underneath) must decode exactly as sdpa with the same compression
+        model.config._attn_implementation = "sdpa"
+        with compression(model, methods("expand")["snapkv_b64"]) as plain:
+            expected = greedy_generate(model, ids, max_new_tokens=6)
+        assert plain.after == session.after
+        assert len(out.tokens[0]) == 6 and out.tokens == expected.tokens
     finally:
         if saved is None:
             ALL_ATTENTION_FUNCTIONS._global_mapping.pop("flash_attention_2", None)
@@ -319,6 +366,158 @@ def test_an_items_caches_are_freed_without_a_collector_pass(gqa):
     finally:
         engine.Session.cache_for = original
         gc.enable()
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("keep_full", [False, True])
+def test_a_dropped_full_layer_frees_its_storage(keep_full, one_thread):
+    """After the shared prefill, the shared full layers hold no storage unless `full` is compared, and
+    each method's layers hold exactly their own entries (no view into the full layer's storage)."""
+    from harness.decoding import prefill
+    from harness.methods.engine import new_cache
+
+    model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
+    pairs = [("a", methods("expand")["snapkv"]), ("b", methods("mean")["snapkv_b64"]), ("s", methods("mean")["streamingllm"])]
+    with torch.inference_mode(), compression(model, pairs, keep_full=keep_full) as session:
+        cache = new_cache(model)
+        prefill(model, cache, prompt_ids())
+        full_bytes = [_storage_bytes(layer.keys) for layer in cache.layers]
+        own = {tag: session.cache_for(tag, cache) for tag, _ in pairs}
+    if keep_full:
+        assert full_bytes == [PROMPT * 2 * 16 * 4] * 2  # (1, 2 heads, 160, 16) float32
+    else:
+        assert full_bytes == [0, 0], "the dropped full layers still hold their storage"
+    expected_length = {"a": 48, "b": 64, "s": 48}
+    for tag, c in own.items():
+        for layer in c.layers:
+            for t in (layer.keys, layer.values):
+                assert t.shape[2] == expected_length[tag]
+                assert _storage_bytes(t) == t.numel() * t.element_size(), f"{tag}: holds more storage than its entries"
+
+
+def test_one_method_in_place_keeps_only_its_entries(one_thread):
+    from harness.decoding import prefill
+    from harness.methods.engine import new_cache
+
+    model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
+    with torch.inference_mode(), compression(model, methods("mean")["streamingllm"]):
+        cache = new_cache(model)
+        prefill(model, cache, prompt_ids())
+    for layer in cache.layers:
+        assert layer.keys.shape[2] == 48 and _storage_bytes(layer.keys) == layer.keys.numel() * 4
+
+
+def test_hybrid_chunked_prefill_with_an_uneven_last_chunk_runs_every_method(one_thread):
+    """Gemma-3-style hybrid layers (window 16), 120 tokens in chunks of 33 (the last one 21 tokens):
+    every registered method compresses the full-attention layers only, captures nothing on the sliding
+    layers, and keeps the positions a one-shot prefill keeps, under both protocols."""
+    model = tiny_gemma3()
+    loaded = loaded_of(model)
+    ids = prompt_ids(length=120, seed=11)[0].tolist()
+    prompt = Prompt(ids, 104, {"question": (104, 120)})
+    sliding = {i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"}
+    every = {tag: m for tag, m in methods("mean").items() if m.supports_sliding_layers}
+    for tag, m in methods("mean").items():
+        if not m.supports_sliding_layers:  # refused in one line before any prefill
+            with pytest.raises(HarnessError, match="cannot run on a model with sliding-window layers"):
+                generate_settings(loaded, [(tag, m)], prompt, max_new_tokens=1)
+    for query_aware in (True, False):
+        chunked = generate_settings(loaded, list(every.items()), prompt, query_aware=query_aware, chunk_size=33, max_new_tokens=4)
+        one_shot = generate_settings(loaded, list(every.items()), prompt, query_aware=query_aware, max_new_tokens=4)
+        for tag, method in every.items():
+            out = chunked[tag]
+            assert out.error is None, (tag, out.error)
+            assert out.generation.tokens == one_shot[tag].generation.tokens, (tag, query_aware)
+            if method.compresses:
+                assert set(out.diagnostics["compressed_layers"]) == set(range(6)) - sliding, tag
+                for i in out.kept:
+                    if i in sliding:
+                        assert out.kept[i] is None
+                    else:
+                        assert torch.equal(out.kept[i], one_shot[tag].kept[i]), (tag, i)
+
+
+def test_nothing_is_captured_on_sliding_layers(one_thread):
+    from harness.decoding import prefill
+    from harness.methods.engine import Session, new_cache
+
+    model = tiny_gemma3()
+    captured = []
+    original = Session.after_attention
+
+    def spy(self, module, args, kwargs, output):
+        captured.append((module.layer_idx, self.queries.get(module.layer_idx), self.sums.get(module.layer_idx)))
+        return original(self, module, args, kwargs, output)
+
+    Session.after_attention = spy
+    try:
+        with torch.inference_mode(), compression(model, [("h", methods("mean")["h2o"]), ("s", methods("mean")["snapkv"])]) as session:
+            session.compress_now = False
+            prefill(model, new_cache(model), prompt_ids(length=60), chunk_size=25,
+                    before_last=lambda: setattr(session, "compress_now", True))
+    finally:
+        Session.after_attention = original
+    sliding = {i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"}
+    assert sorted(idx for idx, _, _ in captured) == sorted(list(range(6)) * 3)  # 3 chunks x 6 layers
+    for idx, queries, sums in captured:
+        if idx in sliding:
+            assert queries is None and sums is None, idx
+        else:
+            assert queries is not None and sums is not None, idx
+
+
+def test_a_shared_prefill_out_of_memory_falls_back_to_smaller_groups(one_thread, monkeypatch):
+    """An injected out-of-memory whenever a prefill holds more than two caches: the list is split until
+    each group fits, every setting gets its separate run's tokens, and `shared_with` says who shared."""
+    from harness.methods import engine
+
+    model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
+    loaded = loaded_of(model)
+    prompt = Prompt(prompt_ids(seed=3)[0].tolist(), QUESTION_AT)
+    every = [(t, methods("mean")[t]) for t in ("full", "snapkv", "h2o", "streamingllm", "pyramidkv")]
+    alone = {tag: generate_settings(loaded, [(tag, m)], prompt, max_new_tokens=NEW)[tag] for tag, m in every}
+    original = engine.Session.after_attention
+    prefills = []
+
+    def limited(capacity):
+        def after_attention(self, module, args, kwargs, output):
+            if module.layer_idx == 0 and self.compress_now is not False:
+                prefills.append(sorted(self.states) + (["full"] if self.keep_full else []))
+                if len(self.states) + self.keep_full > capacity:
+                    raise torch.OutOfMemoryError("injected: the shared prefill does not fit")
+            return original(self, module, args, kwargs, output)
+        return after_attention
+
+    monkeypatch.setattr(engine.Session, "after_attention", limited(2))
+    shared = generate_settings(loaded, every, prompt, max_new_tokens=NEW)
+    assert prefills[0] == ["h2o", "pyramidkv", "snapkv", "streamingllm", "full"]
+    for tag, _ in every:
+        assert shared[tag].error is None, tag
+        assert shared[tag].generation.tokens == alone[tag].generation.tokens, tag
+    assert shared["full"].diagnostics["shared_with"] == ["full", "snapkv"]
+    assert shared["h2o"].diagnostics["shared_with"] == ["h2o"]
+    assert shared["pyramidkv"].diagnostics["shared_with"] == ["streamingllm", "pyramidkv"]
+
+    monkeypatch.setattr(engine.Session, "after_attention", limited(0))  # nothing compressed fits, even alone
+    none_fit = generate_settings(loaded, every, prompt, max_new_tokens=NEW)
+    assert none_fit["full"].error is None and none_fit["full"].generation.tokens == alone["full"].generation.tokens
+    for tag in ("snapkv", "h2o", "streamingllm", "pyramidkv"):
+        assert isinstance(none_fit[tag].error, torch.OutOfMemoryError), tag
+
+
+def test_a_budget_above_the_prompt_says_nothing_was_compressed(one_thread, caplog):
+    model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
+    with caplog.at_level("WARNING"):
+        out = generate_settings(loaded_of(model), [("s", methods("mean")["snapkv_b64"])], Prompt(prompt_ids(length=50)[0].tolist()),
+                                max_new_tokens=2)["s"]
+    assert out.diagnostics["compressed_layers"] == [] and "kept whole" in out.diagnostics["not_compressed"]
+    assert "nothing is compressed" in caplog.text
+    compressed = generate_settings(loaded_of(model), [("s", methods("mean")["snapkv_b64"])], Prompt(prompt_ids()[0].tolist()),
+                                   max_new_tokens=2)["s"]
+    assert "not_compressed" not in compressed.diagnostics
 
 
 def test_attention_probe_sees_every_call():

@@ -4,6 +4,7 @@ search (doubling + bisection on a fake memory model) and the worker process with
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -182,6 +183,32 @@ def test_bench_search_in_process(tmp_path):
     assert all(s["max_length"] == 0 for s in low["search"]["methods"].values())
 
 
+def test_bench_search_finds_the_length_where_the_cap_binds(tmp_path):
+    """A cap between the peaks of the shortest and the longest probe: the search must stop strictly between them,
+    at a length whose measured peak fits, next to one whose peak does not. The cap comes from a first search under a
+    cap that everything fits (its probes record each length's peak): the midpoint of the 64- and 1024-token peaks."""
+    from harness.app import execute
+
+    def search(cap_gb, run):
+        cfg = _bench_cfg(_methods_override([FULL]), "task.context_lengths=[64]", "task.repeats=0", "task.warmup=0",
+                         "task.batch_size=32", "task.max_length_search=true", f"task.memory_cap_gb={cap_gb}", "task.search_start=64",
+                         "task.search_resolution=128", "task.search_max=1024", "task.search_decode_tokens=2", "task.plots=false")
+        return execute(cfg, tmp_path / run)["search"]
+
+    free = search(100, "free")
+    assert free["methods"]["full"]["max_length"] == 1024
+    probes = [json.loads(line) for line in (tmp_path / "free" / "bench_search.jsonl").read_text().splitlines()]
+    peak = {p["length"]: p["peak_bytes"] for p in probes}
+    assert sorted(peak) == [64, 128, 256, 512, 1024]
+    assert peak[1024] - peak[64] > 40 * 2**20, peak  # 32 x 960 more tokens: ~80 MB of activations and cache
+    cap = (peak[64] + peak[1024]) / 2
+    bound = search(cap / 1024**3, "bound")["methods"]["full"]
+    assert 64 <= bound["max_length"] < bound["first_failure"] <= 1024 and not bound["reached_upper"], bound
+    assert bound["first_failure"] - bound["max_length"] <= 128
+    for p in map(json.loads, (tmp_path / "bound" / "bench_search.jsonl").read_text().splitlines()):
+        assert p["fits"] == (p["peak_bytes"] <= int(cap)), p  # a probe fits exactly when its measured peak is under the cap
+
+
 def test_validate_rejects_bad_task_configs():
     from harness.errors import HarnessError
     from harness.tasks.bench import validate
@@ -288,6 +315,41 @@ def test_compress_timer_never_synchronises_inside_the_prefill(monkeypatch):
     total = timer.finish()
     assert timer.source == "cuda_events" and total >= 0 and total == timer.seconds
     assert [kind for kind, _ in fake.syncs] == ["event"] * 3  # only the events, after the measurement
+
+    class Session:  # the capture: events around prompt forwards' calls, none around decode steps
+        def on_attention(self, module, query, key, mask):
+            return mask
+
+    session = Session()
+    timer.watch_capture(session)
+    fake.syncs.clear()
+    assert session.on_attention(None, torch.zeros(1, 2, 8, 4), k, "mask") == "mask"  # a prompt forward: timed
+    assert session.on_attention(None, torch.zeros(1, 2, 1, 4), k, "mask") == "mask"  # a decode step: not timed
+    assert fake.syncs == [] and timer.capture_calls == 1
+    timer.finish()
+    assert [kind for kind, _ in fake.syncs] == ["event"] and timer.seconds == pytest.approx(sum(timer.parts.values()))
+
+
+def test_compress_time_includes_the_capture_of_h2os_column_sums(tiny_random, one_thread, monkeypatch):
+    """H2O's main cost, its attention column sums, is computed in the observer during the prompt's attention, not in
+    `select`: compress_s counts it (capture + select). A known delay injected into the column sums must show up there."""
+    from harness.methods import h2o
+    from harness.tasks.bench_worker import measure
+
+    real, calls, delay = h2o.accumulated_attention, [], 0.05
+
+    def slow(*args, **kwargs):
+        calls.append(1)
+        time.sleep(delay)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(h2o, "accumulated_attention", slow)
+    r = measure(tiny_random.model, {"name": "h2o", "budget": 64, "window_size": 8}, 256, batch_size=1, decode_tokens=3, seed=0)
+    assert len(calls) == 2, "the engine no longer computes H2O's column sums through h2o.accumulated_attention"
+    assert r["capture_calls"] == 2 and r["compress_calls"] == 2  # one prompt forward x 2 layers; decode steps untimed
+    assert r["compress_capture_s"] >= 2 * delay and r["compress_s"] >= 2 * delay
+    assert r["compress_s"] == pytest.approx(r["compress_capture_s"] + r["compress_select_s"], abs=2e-5)
+    assert r["compress_select_s"] < r["compress_capture_s"]
 
 
 def test_compress_timing_on_cpu(tiny_random, one_thread):

@@ -114,3 +114,53 @@ def test_lines_end_to_end_cli_resume_heatmap_and_report(tmp_path):
     out.mkdir()
     md = lines_section(found, out)
     assert "Pooling ablation" in md and "no pooling" in md and len(list((out / "lines").glob("*.png"))) == 2
+
+
+def test_question_start_splits_the_lines_from_the_question(tiny_random):
+    task = compose("task=lines").task
+    tok = tiny_random.tokenizer
+    ids, info = lines.build_prompt(task, tiny_random, 512, 50, 0)
+    split = info["question_start"]
+    question = task.question.format(key=info["key"])
+    after, before = tok.decode(ids[split:]), tok.decode(ids[:split])
+    assert after.lstrip().startswith(question.strip()[:20]) and question.strip() in after
+    last_key, last_value = lines.line_sequence(0, 0)[info["n_lines"] - 1]
+    assert before.rstrip().endswith(f"line {last_key}: REGISTER_CONTENT is <{last_value}>")
+    assert info["line_span"][1] <= split
+
+
+def test_lines_applies_both_protocols_and_chunked_prefill(tmp_path, monkeypatch):
+    """task.query_aware=false and model.prefill_chunk_size reach the engine (they were ignored): the question is
+    prefilled after compression (question_kept 1, the asked line's retention recorded), chunks give one-shot's tokens."""
+    from harness.app import execute
+
+    seen = []
+    real = lines.generate_settings
+
+    def spy(loaded, methods, prompt, **kw):
+        seen.append((kw.get("query_aware"), kw.get("chunk_size"), prompt.question_start))
+        return real(loaded, methods, prompt, **kw)
+
+    monkeypatch.setattr(lines, "generate_settings", spy)
+    base = ["task=lines", "model=tiny-random", "task.lengths=[320]", "task.positions=[50]", "task.max_new_tokens=4",
+            "progress=false", "methods=[full,{name: snapkv, budget: 64}]"]
+    records = {}
+    for name, extra in (("aware", []), ("agnostic", ["task.query_aware=false"]),
+                        ("agnostic_chunked", ["task.query_aware=false", "model.prefill_chunk_size=96"])):
+        args = [*base, *extra]
+        execute(compose(*args), tmp_path / name, overrides=args)
+        records[name] = {t: json.loads((tmp_path / name / t / lines.LOG_FILE).read_text().splitlines()[0])
+                         for t in ("full", "snapkv_c64_w32_k7_maxpool_expand")}
+    assert [(qa, chunk) for qa, chunk, _ in seen] == [(True, None), (False, None), (False, 96)]
+    assert all(0 < start < 320 for *_, start in seen)
+    aware, agnostic = records["aware"]["snapkv_c64_w32_k7_maxpool_expand"], records["agnostic"]["snapkv_c64_w32_k7_maxpool_expand"]
+    assert aware["protocol"] == "query_aware" and agnostic["protocol"] == "query_agnostic"
+    # query-aware: the question was inside the 64 kept positions' competition and lost some (this model, these seeds);
+    # query-agnostic: it is prefilled after compression, whole
+    assert aware["question_kept"] < 1 and agnostic["question_kept"] == 1.0
+    assert "line_kept" in agnostic and aware["question_start"] == agnostic["question_start"] == seen[0][2]
+    for tag, record in records["agnostic_chunked"].items():
+        assert record["response"] == records["agnostic"][tag]["response"], tag
+        assert record.get("line_kept_by_layer") == records["agnostic"][tag].get("line_kept_by_layer"), tag
+    summary = json.loads((tmp_path / "agnostic_chunked" / "full" / "results.json").read_text())["summary"]
+    assert summary["protocol"] == "query_agnostic" and summary["prefill_chunk_size"] == 96

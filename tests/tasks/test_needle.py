@@ -43,6 +43,37 @@ def test_insertion_walks_back_to_the_previous_period(smol):
     assert needle.insert_needle(words, nd, 75, periods)[1] == 0  # no period before the point
 
 
+def test_several_needles_are_placed_on_the_original_context():
+    """place_needles (needle, observation, RULER): each point from the ORIGINAL context, walked back to a period;
+    the needles go in together, the starts point at each needle in the new ids, in the order given."""
+    periods = {7, 8}
+    context = [1, 2, 7, 3, 4, 5, 8, 6, 1, 2]        # periods end tokens 2 and 6
+    a, b, c, d = [90], [91, 92], [93], [94]
+    placed = needle_prompt.place_needles(context, [(a, 50), (b, 90), (c, 0), (d, 100)], periods)
+    # points: a int(10 * .5) = 5 -> back to 3 (after token 2); b 9 -> 7 (after token 6); c 0; d appended at 10
+    assert placed.points == [3, 7, 0, 10] and placed.depth_actual == [30.0, 70.0, 0.0, 100.0]
+    assert placed.ids == c + [1, 2, 7] + a + [3, 4, 5, 8] + b + [6, 1, 2] + d
+    for needle_ids, start in zip((a, b, c, d), placed.starts):
+        assert placed.ids[start:start + len(needle_ids)] == needle_ids
+    tie = needle_prompt.place_needles(context, [(b, 40), (a, 30)], periods)  # both walk back to 3: the order given
+    assert tie.ids == [1, 2, 7] + b + a + [3, 4, 5, 8, 6, 1, 2] and tie.starts == [3, 5]
+    assert needle_prompt.insert_needle(context, a, 50, periods) == (context[:3] + a + context[3:], 3)
+
+
+def test_a_needle_far_from_its_depth_fails_naming_the_needle():
+    words = list(range(1000, 1600))                 # 600 tokens, no period: every walk-back reaches 0
+    near = needle_prompt.place_needles(words, [([1], 10)], {7})   # 60 tokens back: within one sentence, accepted
+    assert near.points == [0]
+    with pytest.raises(HarnessError) as err:
+        needle_prompt.place_needles(words, [([1], 10), ([2], 75)], {7}, where="observation document length=700 copy=0")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("observation document length=700 copy=0 needle 1 (depth 75): "
+                                                      "the needle starts at 0.0% of the 600-token context (token 0, "
+                                                      "the requested point is token 450)")
+    assert needle_prompt.place_needles(words, [([2], 75)], {7}, check=False).points == [0]
+    assert needle_prompt.place_needles(words, [([2], 75)], {7}, tolerance=80).depth_actual == [0.0]
+
+
 @pytest.mark.parametrize("text,is_period", [
     (".", True), (" .", True), ("\u2581.", True), (".\n\n", True), (").", True), ("%.", True), ('").', True), ("...", True),
     ("Mr.", False), ("3.", False), ("etc.", False), ('."', False), (",", False), ("a", False), ("", False), ("</s>", False),
@@ -180,3 +211,28 @@ def test_smollm2_retrieves_the_needle_with_full_cache(tmp_path):
     results = execute(cfg, tmp_path)
     assert results["summary"]["mean_score"] == 1.0, [r["response"] for r in results["rows"]]
     assert all(r["strict"] for r in results["rows"])
+
+
+def test_a_base_model_gets_the_completion_prompt_and_full_writes_its_retention_picture(tmp_path, monkeypatch):
+    """model.chat_format=none (a base model such as gemma3-270m): the completion prompt by default, recorded in the
+    config, every record and the summary; every setting, full included, writes needle_retention.png."""
+    seen = []
+    real = needle.generate_settings
+
+    def spy(loaded, methods, prompt, **kw):
+        seen.append(loaded.tokenizer.decode(prompt.ids))
+        return real(loaded, methods, prompt, **kw)
+
+    monkeypatch.setattr(needle, "generate_settings", spy)
+    args = ["model=tiny-random", "model.chat_format=none", "task.lengths=[200]", "task.depths=[50]", "task.max_new_tokens=2",
+            "progress=false", "methods=[full,{name: snapkv, budget: 64}]"]
+    cfg = compose(*args)
+    assert cfg.task.prompt_style == "completion"
+    out = execute(cfg, tmp_path, overrides=args)
+    assert seen and seen[0].startswith("You are a helpful AI bot") and "\n\nDocument:\n" in seen[0]
+    assert seen[0].endswith("Question: What is the best thing to do in San Francisco?\nAnswer:")
+    for tag, results in out["settings"].items():
+        assert results["config"]["task"]["prompt_style"] == "completion" and results["summary"]["prompt_style"] == "completion"
+        assert all(r["prompt_style"] == "completion" for r in results["rows"])
+        assert (tmp_path / tag / "needle_retention.png").exists(), tag
+    assert out["settings"]["full"]["rows"][0]["needle_kept"] == 1.0

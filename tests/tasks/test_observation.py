@@ -98,10 +98,13 @@ def test_probe_on_hand_made_queries_and_keys():
 
 # ------------------------------------------------------------------------------------------ the capture vs eager weights
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_capture_matches_eager_attention_weights(attn):
+@pytest.mark.parametrize("attn,block", [("sdpa", None), ("eager", None), ("sdpa", 1)])
+def test_capture_matches_eager_attention_weights(attn, block, monkeypatch):
     """The probe (queries/keys of any implementation) against hit rates recomputed from the eager model's own
-    attention weights (output_attentions) over prompt + generated tokens."""
+    attention weights (output_attentions) over prompt + generated tokens. block=1: one window / one generated
+    query per batched softmax (the blocking a long prompt gets), the same numbers."""
+    if block is not None:
+        monkeypatch.setattr(obs, "BLOCK_ELEMENTS", block)
     from harness.decoding import greedy_generate
     from harness.methods.engine import attention_probe
 
@@ -139,8 +142,10 @@ def test_capture_matches_eager_attention_weights(attn):
                 torch.testing.assert_close(probe.layers[layer].last_votes, votes, rtol=1e-4, atol=1e-5)
         masks = torch.stack(masks)
         rates, per_window = [], [[] for _ in range(params.generation_windows)]
+        important_total = 0
         for t in range(g):
             important = A[:, L + t, :P] > params.theta
+            important_total += int(important.sum())
             if important.sum() == 0:
                 continue
             h = ((masks & important).sum(dim=(-1, -2)).double() / important.sum()).tolist()
@@ -151,6 +156,47 @@ def test_capture_matches_eager_attention_weights(attn):
         assert res["fig2_hit_rate"][layer] == pytest.approx(expected, abs=1e-4)
         assert res["fig3_hit_rate"][layer] == pytest.approx([sum(x) / len(x) if x else None for x in per_window], abs=1e-4)
         assert res["counted_queries"][layer] == len(rates)
+        assert res["important_per_head"][layer] == pytest.approx(important_total / (g * 4), abs=1e-4)
+        generation = A[:, L:L + g, :P]
+        torch.testing.assert_close(probe.votes("generation")[layer], generation.sum(dim=1), rtol=1e-4, atol=1e-5)
+        gw = params.generation_window_tokens
+        for m in range(params.generation_windows):  # a generation window's own vote against the last prompt window's
+            mine = obs.topk_mask(generation[:, m * gw:(m + 1) * gw].sum(dim=1), k)
+            assert res["fig3_vote_overlap"][layer][m] == pytest.approx(float((mine & masks[-1]).sum()) / float(mine.sum()), abs=1e-4)
+
+
+def test_a_probed_decode_step_does_no_tensor_work():
+    """The probe's per-step cost: a decode call only keeps the query and the keys (views); all the attention math
+    runs batched in finish(). Before, ~20 small tensor ops per layer and step made a probed step
+    ~3x a plain one on a loaded 2-core CPU (observation_cpu: 23 minutes)."""
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):  # tensor operations, not reads of a shape or views by indexing
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += getattr(func, "__name__", "") not in ("__get__", "__getitem__", "_set_grad_enabled")
+            return func(*args, **(kwargs or {}))
+
+    params = obs.Params(window_tokens=2, prompt_windows=2, generation_windows=2, generation_window_tokens=3, theta=0.2, rate=0.5)
+    probe = obs.HitRateProbe(8, params)
+
+    class Layer:
+        layer_idx, scaling, sliding_window = 0, 1.0, None
+
+    torch.manual_seed(0)
+    keys = torch.randn(1, 1, 8 + 6, 8)
+    probe(Layer, torch.randn(1, 1, 8, 8), keys[:, :, :8])
+    per_step = []
+    for step in range(6):
+        query, seen = torch.randn(1, 1, 1, 8), keys[:, :, :9 + step]
+        with Count() as count:
+            probe(Layer, query, seen)
+        per_step.append(count.calls)
+    assert per_step == [0] * 6, per_step   # before: 30-40 operations per layer and step
+    assert probe.results(1)["decoded_queries"] == [6]
 
 
 # ------------------------------------------------------------------------------------------ prompts and documents
@@ -188,6 +234,19 @@ def test_longbench_source_uses_the_official_template_and_groups_contexts(tiny_ra
     assert "Transcript:" in tiny_random.tokenizer.decode(ids[:spans["document"][0]])
 
 
+def test_progress_counts_generated_tokens(tmp_path, capfd):
+    """One document is minutes of work on a CPU: the bar counts generated tokens (prompts x G), not documents."""
+    from harness.app import execute
+
+    cfg = compose("task=observation", "model=tiny-random", "task.window_tokens=16", "task.prompt_windows=4",
+                  "task.generation_windows=2", "task.generation_window_tokens=4", "task.lengths=[200]",
+                  "task.documents_per_length=1", "task.positions=[end]", "progress=true")
+    execute(cfg, tmp_path)
+    err = capfd.readouterr().err
+    assert "observation: generated tokens" in err and "24/24" in err, err[-2000:]  # 3 questions x 8 generated queries
+    assert "observation documents" not in err
+
+
 def test_bad_settings_fail_before_any_model_loads(tmp_path):
     proc = run_cli("task=observation", "model=tiny-random", "task.lengths=[1000]", f"hydra.run.dir={tmp_path / 'r'}")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: task.lengths: 1000 tokens leave no prefix")
@@ -220,6 +279,8 @@ def test_observation_end_to_end_cli_resume_and_report(tmp_path):
         assert (run / "full" / f"observation_fig{n}.png").exists()
     lines = (run / "full" / obs.LOG_FILE).read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["prompts"][0]["decoded_queries"] == [16, 16]
+    meta = json.loads(lines[0])["meta"]
+    assert len(meta["needle_token_index"]) == len(meta["needle_depth_actual"]) == 3  # per needle, as task=needle records
 
     again = run_cli(*args)                                   # resumes: the document is not redone
     assert again.returncode == 0 and len((run / "full" / obs.LOG_FILE).read_text().splitlines()) == 1

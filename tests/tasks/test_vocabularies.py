@@ -122,3 +122,29 @@ def test_periods_merged_with_newlines_count(name):
     ids = tok("It ends here.\n\nNext one.", add_special_tokens=False)["input_ids"]
     merged = [i for i in ids if tok.decode([i]) == ".\n\n"]
     assert merged and set(merged) <= period_token_ids(tok, ids)
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "qwen2"])
+def test_observation_needles_land_at_their_depths(name):
+    """task=observation's haystack documents place their needles by needle's rule (place_needles): with Llama-2
+    SentencePiece the old `tok(".")` walk-back put the needle asked at depth 25 at token 0 of ~4K."""
+    from harness.tasks import observation
+
+    tok = tokenizer_of(name)
+    task = compose("task=observation", "task.documents_per_length=1").task
+    docs = observation.haystack_documents(task, fake_loaded(tok, "inst" if name == "llama-spm" else "none"))
+    assert len(docs) == 1
+    doc = docs[0]
+    needles = [tok(str(nd.text), add_special_tokens=False)["input_ids"] for nd in task.needles]
+    starts, actual = doc.meta["needle_token_index"], doc.meta["needle_depth_actual"]
+    n_context = len(doc.ids) - sum(map(len, needles))
+    assert n_context > 3500 and len(starts) == len(actual) == 3
+    for nd, ids, start, got in zip(task.needles, needles, starts, actual):
+        assert doc.ids[start:start + len(ids)] == ids
+        before = sum(len(other) for other, s in zip(needles, starts) if s < start)  # needles placed earlier in the document
+        point = start - before                      # the needle's point in the haystack slice
+        requested = int(n_context * float(nd.depth) / 100)
+        assert point > 0 and tok.decode(doc.ids[start - 1:start]).rstrip().endswith(".")
+        assert got == pytest.approx(100 * point / n_context, abs=1e-3) and abs(got - float(nd.depth)) <= 5
+        context = [t for i, t in enumerate(doc.ids) if not any(s <= i < s + len(x) for x, s in zip(needles, starts))]
+        assert not any(tok.decode([t]).strip() == "." for t in context[point:requested]), "walked back past a period"

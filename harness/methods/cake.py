@@ -1,0 +1,129 @@
+"""CAKE (Qin et al., ICLR 2025, "Cascading and Adaptive KV cache Eviction with Layer Preferences").
+
+Layers differ in how spread their attention is, so they get different budgets; inside a layer the
+selection is SnapKV-like with a variance term. From the last W prompt queries' attention A (float32
+softmax over all keys, causal inside the window) restricted to the prefix keys j < L - W:
+
+    spatial dispersion  H_l = -sum_{h,i,j} A log(A + 1e-10)
+    temporal shift      V_l = sum_{h,j} Var_i A_{h,i,j}            (unbiased variance over the W queries)
+    preference          P_l = H_l^(1/tau1) * V_l^(1/tau2)
+    layer budget        B_l = int(P_l / sum P * (C - W) * N), capped at L - W with the excess and the
+                        rounding redistributed so that the total stays (C - W) * N (the authors' adjust_budgets)
+    token score         e_{h,j} = mean_i A + gamma * Var_i A, average-pooled (kernel 5), group mean per KV head
+
+Each layer keeps its top B_l positions per head plus the window. Defaults: the authors' (C = 1024 per
+layer on average, window included; W = 32; gamma = 200; tau1 = tau2 = 1, their value for models
+without a tuned pair). No eviction when L <= C + W (the authors' rule).
+
+Budgets need every layer's preference, so CAKE is an across-layers method: the engine holds each
+layer until the last one is summarised (peak memory = the full cache, as the authors' code without
+`--cascading`; the cascading variant re-evicts earlier layers and is not built). The authors' decode-time
+eviction (one token per step past B_l + W) is not built either: selection is once, at prefill, as for
+every method here. No kvpress class exists; tests check the formulas on hand-computed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from harness.errors import require
+from harness.methods.base import ScoredMethod, Selection, keep_top_scored
+from harness.methods.registry import register
+from harness.methods.snapkv import window_attention
+
+
+def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> float:
+    """P_l from the window attention restricted to the prefix, (B, Hq, W, P) float32."""
+    dispersion = -(attn * torch.log(attn + 1e-10)).sum()
+    shift = attn.var(dim=-2, unbiased=True).sum()
+    return float(dispersion ** (1 / tau1) * shift ** (1 / tau2))
+
+
+def token_scores(attn: torch.Tensor, gamma: float, kernel_size: int) -> torch.Tensor:
+    """(B, Hq, P): mean over the window queries + gamma x their variance, average-pooled."""
+    score = attn.mean(dim=-2) + gamma * attn.var(dim=-2, unbiased=True)
+    return F.avg_pool1d(score, kernel_size=kernel_size, padding=kernel_size // 2, stride=1)
+
+
+def allocate(preferences: list[float], per_layer: int, cap: int) -> list[int]:
+    """Layer budgets (selected positions, window excluded): shares of (per_layer x N) by preference,
+    int-cast, capped at `cap` with the excess spread over the layers under the cap, then the total
+    restored to per_layer x N (spread over the layers that can still move), as the authors' code."""
+    n = len(preferences)
+    total = per_layer * n
+    whole = sum(preferences)
+    budgets = [int(p / whole * total) if whole > 0 else per_layer for p in preferences]
+    excess = sum(max(b - cap, 0) for b in budgets)
+    budgets = [min(b, cap) for b in budgets]
+    if excess > 0:
+        _spread(budgets, excess, [i for i, b in enumerate(budgets) if b < cap])
+    diff = total - sum(budgets)
+    if diff > 0:
+        _spread(budgets, diff, [i for i, b in enumerate(budgets) if b < cap])
+    elif diff < 0:
+        _spread(budgets, diff, [i for i, b in enumerate(budgets) if b > 1])
+    return budgets
+
+
+def _spread(budgets: list[int], amount: int, eligible: list[int]) -> None:
+    """Add `amount` (may be negative) evenly over `eligible`, the remainder one each to the first ones."""
+    if not eligible:
+        return
+    step, rest = divmod(abs(amount), len(eligible))
+    sign = 1 if amount > 0 else -1
+    for k, i in enumerate(eligible):
+        budgets[i] += sign * (step + (1 if k < rest else 0))
+
+
+@register
+@dataclass
+class CAKE(ScoredMethod):
+    name = "cake"
+    EXACT_BUDGET = False  # kept counts vary by head or layer (tests/methods/test_baselines.py)
+    across_layers = True
+
+    budget: int | None = 1024
+    window_size: int = 32
+    gqa: str = "mean"
+    ratio: float | None = None
+    gamma: float = 200.0
+    tau1: float = 1.0
+    tau2: float = 1.0
+    kernel_size: int = 5
+
+    def __post_init__(self):
+        self.query_window = self.window_size
+
+    def validate(self, num_layers, max_positions):
+        super().validate(num_layers, max_positions)
+        require(not isinstance(self.budget, (list, tuple)), "method.budget for cake is one number: CAKE allocates the layers' budgets itself")
+        require(self.window_size > 0, "method.window_size must be > 0 for cake (its window queries measure the layer)")
+        require(self.tau1 > 0 and self.tau2 > 0, f"method.tau1={self.tau1} and method.tau2={self.tau2} must be > 0")
+        require(self.kernel_size % 2 == 1 and self.kernel_size > 0, f"method.kernel_size={self.kernel_size} must be a positive odd number")
+
+    def select(self, keys, values, stats):
+        raise NotImplementedError("cake allocates across layers: the engine calls summarize/finish")
+
+    def summarize(self, keys, values, stats):
+        length = keys.shape[-2]
+        if length <= self.budget + self.window_size:
+            return None
+        attn = window_attention(stats.window_queries(self.window_size), keys, self.window_size, stats.scaling).float()
+        attn = attn[..., : length - self.window_size]
+        return layer_preference(attn, self.tau1, self.tau2), token_scores(attn, self.gamma, self.kernel_size)
+
+    def finish(self, summaries, layers, num_layers, context=None):
+        if any(summary is None for summary in summaries.values()):  # a short prompt: no eviction anywhere
+            return {i: Selection(k, v) for i, (k, v) in layers.items()}
+        order = sorted(summaries)
+        length = next(iter(layers.values()))[0].shape[-2]
+        budgets = allocate([summaries[i][0] for i in order], self.budget - self.window_size, length - self.window_size)
+        return {i: keep_top_scored(summaries[i][1], *layers[i], b, self.window_size, self.gqa) for i, b in zip(order, budgets)}
+
+    def describe(self, num_layers):
+        out = super().describe(num_layers)
+        out["layer_budgets"] = "allocated per item from the layers' attention (see the records' kv_positions_after_prefill)"
+        return out

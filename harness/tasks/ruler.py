@@ -1,0 +1,237 @@
+"""RULER (NVIDIA/RULER): its 13 tasks generated offline by its rules (ruler_data.py), scored by its
+metrics (metrics/ruler.py), every method of `methods=[...]` from one prefill per sample.
+
+The model input is RULER's: the task template inside the model's chat wrapper (`task.template=model`,
+the model's `chat_format`; or `base`: no wrapper, RULER's and kvpress's `base`), then the answer
+prefix after the wrapper, tokenized as one text. Lengths count that input's tokens plus the task's
+tokens_to_generate, in the model's own tokenizer. Decoding is greedy, at most tokens_to_generate
+tokens, stopped at EOS only (RULER has no stop words; the model's `stop_strings` are not used).
+
+Protocols: `task.query_aware=true` compresses the whole prompt (RULER as the KV papers run it);
+`false` is kvpress's split: the compressed part is everything before the LAST match of the task's
+question pattern (niah "What is/are all the special magic", vt/cwe/fwe "Question: ...", qa the second
+"Answer the question based on the given documents."), so RULER's task preamble (and vt's and cwe's
+one-shot example) is compressed with the context; the question, the chat wrapper's closing tokens and
+the answer prefix are prefilled on top, uncompressed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from harness.errors import HarnessError, require
+from harness.models import LoadedModel
+from harness.tasks.common import Prompt, generate_settings, run_shared_items
+from harness.tasks.ruler_data import ALL_TASKS, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper, qa_files, QA_FILES
+from metrics.ruler import metric_for, postprocess_pred, sample_score
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")  # both applied (harness.app.check_protocol)
+GRID_KEYS = ("tasks", "lengths", "samples")  # which items run: a run directory takes another grid (rundir)
+TEMPLATES = ("model", "base")
+SENTINEL = "\x00RULER\x00"
+ESSAY_TASKS = tuple(t for t, (fam, a) in TASKS.items() if fam == "niah" and a["haystack"] == "essay")
+
+
+def task_names(task: DictConfig) -> list[str]:
+    """task.tasks; null: the 11 synthetic tasks."""
+    return list(SYNTHETIC) if task.get("tasks") is None else [str(t) for t in task.tasks]
+
+
+def validate(task: DictConfig) -> None:
+    names = task_names(task)
+    require(names, "task.tasks is empty; give RULER task names, e.g. task.tasks=[niah_single_1,vt]")
+    for name in names:
+        require(name in TASKS, f"task.tasks: unknown RULER task {name!r}; known: {', '.join(ALL_TASKS)}")
+    require(len(set(names)) == len(names), "task.tasks lists a task twice")
+    require(len(task.lengths) > 0, "task.lengths is empty; give at least one length in tokens, e.g. task.lengths=[4096]")
+    for n in task.lengths:
+        require(int(n) > 0, f"task.lengths: {n} is not a positive token count")
+    require(int(task.samples) > 0, f"task.samples={task.samples}: give at least one sample per task and length")
+    require(str(task.template) in TEMPLATES, f"task.template={task.template!r} is not one of {', '.join(TEMPLATES)}")
+    for name in names:
+        if name.startswith("qa_"):
+            dataset = TASKS[name][1]["dataset"]
+            require(qa_files(task.get("qa_data_dir"), dataset) is not None,
+                    f"RULER {name} needs {' or '.join(QA_FILES[dataset])} in task.qa_data_dir (now {task.get('qa_data_dir')!r}); "
+                    "download it or leave qa_1/qa_2 out of task.tasks")
+    if any(n in ESSAY_TASKS for n in names):
+        essay_text(task)
+
+
+def essay_text(task: DictConfig) -> str:
+    """The essays in sorted file order, no separator (as harness/tasks/needle.py reads them)."""
+    from harness.tasks.needle import haystack_files
+
+    return "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
+
+
+def protocol_name(query_aware: bool) -> str:
+    return "query_aware" if query_aware else "query_agnostic"
+
+
+class Tokenized:
+    """The model input of a sample: token ids (one tokenization of the whole text, as RULER's) and the
+    character -> token mapping for the split and the needle spans."""
+
+    def __init__(self, loaded: LoadedModel, template: str):
+        self.tok = loaded.tokenizer
+        if template == "base":
+            self.wrapper, self.add_special = Wrapper(), True
+        else:
+            before, after = loaded.format_chat([{"role": "user", "content": SENTINEL}]).split(SENTINEL)
+            self.wrapper, self.add_special = Wrapper(before, after), loaded.chat_format != "template"
+
+    def measure(self, text: str) -> int:
+        return len(self.tok(text, add_special_tokens=self.add_special)["input_ids"])
+
+    def count(self, text: str) -> int:
+        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def prompt(self, s: Sample) -> Prompt:
+        try:
+            enc = self.tok(s.text, add_special_tokens=self.add_special, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError) as exc:
+            raise HarnessError(f"task=ruler needs a tokenizer with character offsets (a fast tokenizer) to place the "
+                               f"needle spans and the question split; {type(self.tok).__name__} has none ({exc})") from None
+        ids, ends = list(enc["input_ids"]), [int(b) for _, b in enc["offset_mapping"]]
+
+        def token_at(c: int) -> int:  # the token holding character c (the first token ending after it)
+            return bisect.bisect_right(ends, c)
+
+        question = token_at(s.question_start)
+        spans = {f"needle_{i}": (token_at(a), min(len(ids), bisect.bisect_left(ends, b) + 1)) for i, (a, b) in enumerate(s.needle_chars)}
+        spans["question"] = (question, len(ids))
+        return Prompt(ids, question, spans)
+
+
+def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
+    """Every (task, length, sample) for every setting, one prefill per sample. Returns {tag: {"summary", "rows", "failures"}}."""
+    task = cfg.task
+    names, lengths = task_names(task), [int(n) for n in task.lengths]
+    samples, seed = int(task.samples), int(task.seed)
+    query_aware = bool(task.get("query_aware", True))
+    protocol = protocol_name(query_aware)
+    chunk_size = cfg.model.get("prefill_chunk_size")
+    if loaded.max_positions:
+        require(max(lengths) <= loaded.max_positions,
+                f"task.lengths: {max(lengths)} exceeds {loaded.name}'s {loaded.max_positions} positions")
+    tokenized = Tokenized(loaded, str(task.template))
+    essay = essay_text(task) if any(n in ESSAY_TASKS for n in names) else None
+    generated: dict[tuple[str, int], list[Sample]] = {}
+
+    def sample(name: str, length: int, index: int) -> Sample:
+        if (name, length) not in generated:  # RULER's first `samples` samples of this task and length, in order
+            gen = TaskGenerator(name, length, seed=seed, measure=tokenized.measure, count=tokenized.count,
+                                wrapper=tokenized.wrapper, essay=essay, qa_data_dir=task.get("qa_data_dir"))
+            generated[(name, length)] = gen.samples(samples)
+        return generated[(name, length)][index]
+
+    by_tag = {s.tag: s for s in settings}
+    logs = {s.tag: s.run_dir.log("ruler_samples.jsonl", key=("task", "length", "index")) for s in settings}
+    log.info("ruler: %d task(s) x %d length(s) x %d sample(s), %d setting(s), %s, template=%s",
+             len(names), len(lengths), samples, len(settings), protocol, task.template)
+
+    def work(item, tags):
+        name, length, index = item
+        s = sample(name, length, index)
+        if index == samples - 1:  # the items run in (length, task, index) order: this task and length are done
+            generated.pop((name, length), None)
+        prompt = tokenized.prompt(s)
+        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], prompt, query_aware=query_aware,
+                                     chunk_size=chunk_size, max_new_tokens=s.tokens_to_generate, decode_together=bool(cfg.get("decode_together", True)))
+        needle_sizes = {k: b - a for k, (a, b) in prompt.spans.items() if k.startswith("needle_")}
+        out = {}
+        for tag, o in outcomes.items():
+            if o.error is not None:
+                out[tag] = o.error
+                continue
+            response = loaded.tokenizer.decode(o.generation.tokens[0], skip_special_tokens=True)
+            diag = dict(o.diagnostics)
+            kept = [(diag.get(f"{k}_kept"), n) for k, n in needle_sizes.items()]
+            record = {
+                "task": name, "length": length, "index": index, "protocol": protocol,
+                "references": s.references, "response": response, "score": sample_score(name, response, s.references),
+                "answer_prefix": s.answer_prefix, "prompt_tokens": len(prompt.ids), "question_start": prompt.question_start,
+                "tokens_to_generate": s.tokens_to_generate, "new_tokens": len(o.generation.tokens[0]),
+                "stopped_by": o.generation.stopped_by[0], "prefill_seconds": round(o.generation.prefill_seconds, 4),
+                "decode_seconds": round(o.generation.decode_seconds, 4),
+                # token-weighted mean over the inserted needles (None: the task inserts none, or nothing compressed)
+                "needle_kept": (round(sum(k * n for k, n in kept) / sum(n for _, n in kept), 4)
+                                if kept and all(k is not None for k, _ in kept) and sum(n for _, n in kept) else None),
+                **diag,
+            }
+            if task.get("log_prompts"):
+                record["prompt"] = s.text
+            out[tag] = record
+        return out
+
+    items = [(name, n, i) for n in lengths for name in names for i in range(samples)]
+    outcome = run_shared_items(items, logs=logs, key=lambda it: it, work=work, desc="ruler samples",
+                               failures_paths={s.tag: s.run_dir.path / "failures.json" for s in settings}, progress=progress)
+    results = {}
+    for s in settings:
+        rows = [logs[s.tag].records[it] for it in items if it in logs[s.tag].records]
+        write_csv(s.run_dir.path / "ruler_samples.csv", rows)
+        summary = summarize(rows, names, lengths)
+        summary.update(protocol=protocol, template=str(task.template), seed=seed, samples_per_task=samples,
+                       failed_samples=len(outcome[s.tag].failures), prefill_chunk_size=chunk_size,
+                       tokenizer=getattr(loaded.tokenizer, "name_or_path", None))
+        results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
+    return results
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def task_score(name: str, rows: list[dict]) -> float | None:
+    """RULER's score of one task at one length: its metric over all samples' post-processed predictions."""
+    if not rows:
+        return None
+    return metric_for(name)([postprocess_pred(r["response"]) for r in rows], [r["references"] for r in rows])
+
+
+def summarize(rows: list[dict], names: list[str], lengths: list[int]) -> dict:
+    """Per length: each task's RULER score and their mean (RULER's per-length number); `tasks`: each task's
+    mean over lengths; `average` (the headline): the mean of the per-length averages (one length: that
+    length's average, the leaderboard's number). Averages use the already-rounded task scores, as RULER."""
+    by_length = {}
+    for n in lengths:
+        scores = {name: task_score(name, [r for r in rows if r["task"] == name and r["length"] == n]) for name in names}
+        done = [v for v in scores.values() if v is not None]
+        by_length[str(n)] = {"tasks": scores, "average": round(sum(done) / len(done), 2) if done else None,
+                             "complete": len(done) == len(names)}
+    tasks = {name: _round2(_mean(by_length[str(n)]["tasks"][name] for n in lengths)) for name in names}
+    averages = [v["average"] for v in by_length.values() if v["average"] is not None]
+    return {
+        "score_name": "ruler_average",
+        "main_score": round(sum(averages) / len(averages), 2) if averages else None,
+        "average": round(sum(averages) / len(averages), 2) if averages else None,
+        "tasks": tasks,
+        "by_length": by_length,
+        "samples": len(rows),
+        "mean_needle_kept": _mean(r.get("needle_kept") for r in rows),
+        "mean_question_kept": _mean(r.get("question_kept") for r in rows),
+        "needle_kept_by_task": {name: _mean(r.get("needle_kept") for r in rows if r["task"] == name) for name in names},
+    }
+
+
+def _round2(v):
+    return None if v is None else round(v, 2)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    fields = ["task", "length", "index", "protocol", "score", "prompt_tokens", "question_start", "needle_kept", "question_kept",
+              "budget_tokens", "new_tokens", "stopped_by", "prefill_seconds", "decode_seconds", "references", "response"]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,79 @@
+"""CAKE from its definitions: the layer preference, the token score and the budget allocation, each
+computed here by hand (plain loops / worked numbers) and compared with the method."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from harness.methods import build_method
+from harness.methods.base import LayerStats
+from harness.methods.cake import allocate, layer_preference, token_scores
+
+
+def test_layer_preference_is_entropy_times_variance():
+    torch.manual_seed(0)
+    attn = torch.softmax(torch.randn(1, 2, 3, 5), dim=-1)  # (B, Hq, W, P)
+    entropy = 0.0
+    variance = 0.0
+    for h in range(2):
+        for j in range(5):
+            column = [float(attn[0, h, i, j]) for i in range(3)]
+            mean = sum(column) / 3
+            variance += sum((x - mean) ** 2 for x in column) / 2  # unbiased
+            entropy -= sum(x * math.log(x + 1e-10) for x in column)
+    assert layer_preference(attn, 1.0, 1.0) == pytest.approx(entropy * variance, rel=1e-5)
+    assert layer_preference(attn, 2.0, 0.5) == pytest.approx(entropy ** 0.5 * variance ** 2, rel=1e-5)
+
+
+def test_token_score_is_mean_plus_gamma_variance_average_pooled():
+    attn = torch.tensor([[[[0.1, 0.2, 0.3, 0.4], [0.3, 0.2, 0.1, 0.0]]]])  # (1, 1, W=2, P=4)
+    # per column: mean + 10 * unbiased var, var of two values a, b = (a - b)^2 / 2
+    raw = [(a + b) / 2 + 10 * (a - b) ** 2 / 2 for a, b in zip([0.1, 0.2, 0.3, 0.4], [0.3, 0.2, 0.1, 0.0])]
+    # average pooling, kernel 3, zero padding counted (count_include_pad, as the authors' F.avg_pool1d)
+    padded = [0.0, *raw, 0.0]
+    expected = [sum(padded[j:j + 3]) / 3 for j in range(4)]
+    got = token_scores(attn, gamma=10.0, kernel_size=3)[0, 0].tolist()
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_allocation_follows_preferences_caps_and_keeps_the_total():
+    # 3 layers, 10 selected positions each on average (total 30), prompt prefix 14: shares 1:2:7 give
+    # int(3), int(6), int(21) -> 21 capped at 14, excess 7 spread over the two others (4 and 3) -> 7, 9, 14
+    assert allocate([1.0, 2.0, 7.0], per_layer=10, cap=14) == [7, 9, 14]
+    # rounding: shares 1:2 of 20 -> int(6.67) = 6 and int(13.33) = 13; the missing 1 goes to the first layer
+    assert allocate([1.0, 2.0], per_layer=10, cap=100) == [7, 13]
+    # the restored total may not push a layer back over the cap: 1:1:8 of 30 -> 3, 3, 24 -> 24 capped at 20,
+    # excess 4 -> 5, 5, 20
+    assert allocate([1.0, 1.0, 8.0], per_layer=10, cap=20) == [5, 5, 20]
+
+
+def test_cake_keeps_per_layer_budgets_that_sum_to_the_total():
+    torch.manual_seed(1)
+    method = build_method({"name": "cake", "budget": 20, "window_size": 4, "gamma": 200.0, "tau1": 1.0, "tau2": 1.0,
+                           "kernel_size": 5, "gqa": "mean"})
+    b, hq, hkv, length, d, layers = 1, 4, 2, 64, 8, 3
+    summaries, held = {}, {}
+    for i in range(layers):
+        q = torch.randn(b, hq, length, d) * (1 + 2 * i)  # sharper attention in deeper layers: different preferences
+        k, v = torch.randn(b, hkv, length, d), torch.randn(b, hkv, length, d)
+        summaries[i] = method.summarize(k, v, LayerStats(i, layers, queries=q, scaling=d ** -0.5))
+        held[i] = (k, v)
+    selections = method.finish(summaries, held, layers)
+    kept = [selections[i].positions.shape[-1] - 4 for i in range(layers)]
+    assert sum(kept) == (20 - 4) * layers and len(set(kept)) > 1
+    prefs = [summaries[i][0] for i in range(layers)]
+    assert kept == allocate(prefs, 16, length - 4)
+    for i in range(layers):
+        assert selections[i].positions[0, :, -4:].tolist() == [[60, 61, 62, 63]] * hkv
+
+
+def test_short_prompts_are_not_evicted():
+    method = build_method({"name": "cake", "budget": 20, "window_size": 4, "gamma": 200.0, "tau1": 1.0, "tau2": 1.0,
+                           "kernel_size": 5, "gqa": "mean"})
+    k = torch.randn(1, 2, 24, 8)
+    summary = method.summarize(k, k, LayerStats(0, 1, queries=torch.randn(1, 4, 24, 8), scaling=8 ** -0.5))
+    assert summary is None  # 24 <= 20 + 4
+    assert method.finish({0: summary}, {0: (k, k)}, 1)[0].positions is None

@@ -1,0 +1,79 @@
+"""KVzip from its definitions: the replay inputs, the reconstruction score (a softmax over sinks, the
+chunk and the replay's own keys, written here with plain loops), the global pruning, and the extra
+forwards it costs, counted per item."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from harness.methods import build_method
+from harness.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, reconstruction_scores, replay_inputs
+
+
+class Chars:
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def test_replay_inputs_chunk_the_context_after_the_prefix():
+    context = list(range(1000, 1025))  # 25 ids, prefix of 3, chunks of 10
+    out = replay_inputs(context, prefix_length=3, chunk_size=10, suffix=[7, 7], tokenizer=Chars())
+    assert [(a, b) for a, b, _ in out] == [(3, 13), (13, 23), (23, 25)]
+    first = [ord(c) for c in FIRST_PROMPT] + [7, 7] + context[3:13]
+    second = [ord(c) for c in LATER_PROMPT] + context[5:13] + [7, 7] + context[13:23]  # last 8 ids of chunk 1
+    assert out[0][2] == first and out[1][2] == second
+    assert out[2][2][-2:] == context[23:25]
+
+
+def test_reconstruction_score_is_the_max_softmax_over_sinks_chunk_and_own_keys():
+    torch.manual_seed(0)
+    b, hq, hkv, q_len, d, length = 1, 4, 2, 3, 5, 12
+    start, end, n_sink = 6, 9, 2
+    query = torch.randn(b, hq, q_len, d)
+    key = torch.randn(b, hkv, length + q_len, d)  # the context, then the replay's own keys
+    got = reconstruction_scores(query, key, start, end, n_sink, scaling=d ** -0.5)
+    columns = list(range(n_sink)) + list(range(start, end))
+    for g in range(hkv):
+        for j_pos, j in enumerate(range(start, end)):
+            best = 0.0
+            for h in range(g * 2, g * 2 + 2):
+                for i in range(q_len):
+                    visible = columns + [length + t for t in range(i + 1)]  # causal among the replay tokens
+                    logits = [float(query[0, h, i] @ key[0, g, c]) / math.sqrt(d) for c in visible]
+                    top = max(logits)
+                    weights = [math.exp(x - top) for x in logits]
+                    best = max(best, weights[n_sink + j_pos] / sum(weights))
+            assert math.isclose(float(got[0, g, j_pos]), best, rel_tol=1e-4), (g, j)
+
+
+def test_kvzip_prunes_globally_keeps_sinks_and_counts_its_forwards():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_engine import loaded_of, prompt_ids  # noqa: E402
+
+    from conftest import tiny_model
+    from harness.tasks.common import Prompt, generate_settings
+
+    model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
+    method = build_method({"name": "kvzip", "budget": None, "ratio": 0.25, "window_size": 0, "n_sink": 4, "chunk_size": 64,
+                           "layerwise": False, "kvzip_plus_normalization": False})
+    out = generate_settings(loaded_of(model), [("z", method)], Prompt(prompt_ids()[0].tolist()), max_new_tokens=2)["z"]
+    assert out.error is None
+    diag = out.diagnostics
+    assert diag["reconstruction_forwards"] == 3  # 160 tokens in chunks of 64
+    first, later = len(FIRST_PROMPT), len(LATER_PROMPT)  # CharTokenizer: one id per character
+    assert diag["reconstruction_tokens"] == (first + 1 + 64) + (later + 8 + 1 + 64) + (later + 8 + 1 + 32)
+    kept = {i: int((p >= 0).sum()) for i, p in out.kept.items()}
+    pairs = 2 * 2 * 160  # layers x KV heads x positions
+    assert sum(kept.values()) == pairs - int(pairs * 0.75)
+    for positions in out.kept.values():
+        for h in range(2):
+            assert positions[0, h, :4].tolist() == [0, 1, 2, 3]  # sinks never evicted
+    # stored ragged: the cache holds exactly the kept pairs (2 layers, K and V, 16 dims, float32)
+    assert diag["cache_bytes"] == sum(kept.values()) * 16 * 2 * 4
