@@ -138,6 +138,15 @@ class Report:
         return score_needle_response(self.answer(cell, tokens), self.cells[cell]["answer"])["score"]
 
 
+def note_of(name: str, pair: dict) -> str:
+    """The method table's current note (scripts/peer_parity_ours.py PAIRS), else the one recorded in cells.pt."""
+    try:
+        from peer_parity_ours import PAIRS
+    except ImportError:
+        return pair.get("note", "")
+    return PAIRS[name].note if name in PAIRS else pair.get("note", "")
+
+
 def setting_text(pair: dict) -> str:
     options = " ".join(f"{k}={v}" for k, v in pair["ours"].items())
     tags = sorted(set(pair.get("tags", {}).values()))
@@ -233,13 +242,13 @@ def main(argv=None) -> int:
     printed = []
     for name, pair in rep.pairs.items():
         if "status" in pair:
-            lines.append(f"| {name} | {pair['status']} | - | {press_text(pair['kvpress'])} | - | - | {pair.get('note', '')} |")
+            lines.append(f"| {name} | {pair['status']} | - | {press_text(pair['kvpress'])} | - | - | {note_of(name, pair)} |")
             printed.append(f"{name}: {pair['status']}")
             continue
         results = [(k, rep.compare(k, "kvpress")) for k, *_ in rep.run_keys(name)]
         kept_v, tok_v = verdict(results, 0, "kept positions", "per layer and head, "), verdict(results, 1, "generated tokens")
         lines.append(f"| {name} | {setting_text(pair)} | {default_differences(name, pair['ours'])} | {press_text(pair['kvpress'])} | "
-                     f"{kept_v} | {tok_v} | {pair.get('note', '')} |")
+                     f"{kept_v} | {tok_v} | {note_of(name, pair)} |")
         printed.append(f"{name}: {kept_v}; {tok_v}")
 
     lines += ["", "## Per run", ""]

@@ -67,13 +67,17 @@ PAIRS: dict[str, Pair] = {
     "pyramidkv": Pair({**SNAPKV_EQUAL, "beta": 20}, {"class": "PyramidKVPress", "kwargs": {"window_size": 64, "kernel_size": 5, "beta": 20}},
                       note="layer budgets: ours follow KVCache-Factory's integer rule (no compression below the budget, uniform "
                            "below 2(C-W), exact total); kvpress uses C = W + L(1-r) in floats, rounds, and falls back to SnapKV "
-                           "unless L >= max >= min >= W"),
+                           "unless L >= max >= min >= W (no kvpress-rule option in ours: a named difference). kvpress's own "
+                           "decoding fails wherever several new tokens meet layers of different lengths (the question after "
+                           "compression; Gemma 3's sliding layers): one mask, sized by the first layer, is shared by all"),
     "tova": Pair({"window_size": 1, "gqa": "mean"}, {"class": "TOVAPress", "kwargs": {}}),
     "knorm": Pair({"window_size": 0, "gqa": "mean"}, {"class": "KnormPress", "kwargs": {}}),
     "expected_attention": Pair({"n_future_positions": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.0,
                                 "window_size": 0, "gqa": "mean"},
                                {"class": "ExpectedAttentionPress",
-                                "kwargs": {"n_future_positions": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.0}}),
+                                "kwargs": {"n_future_positions": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True, "epsilon": 0.0}},
+                               note="kvpress's press cannot run on Gemma 3 (it calls the rotary embedding without the layer type "
+                                    "that transformers 5.x's Gemma 3 needs); ours runs there"),
     "keydiff": Pair({"window_size": 0, "gqa": "mean"}, {"class": "KeyDiffPress", "kwargs": {}}),
     "lagkv": Pair({"n_sink": 4, "lag_size": 128, "cross_scoring": False, "window_size": 0, "gqa": "mean"},
                   {"class": "LagKVPress", "kwargs": {"n_sink": 4, "lag_size": 128, "cross_scoring": False}}),

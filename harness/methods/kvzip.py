@@ -132,11 +132,11 @@ class KVzip(CompressionMethod):
         return min(pairs, int(self.budget) * layers * heads)
 
     def finish(self, summaries, layers, num_layers, context=None):
-        if context is None or context.tokenizer is None:
-            raise HarnessError("kvzip replays the context through the model and needs its tokenizer (compression(..., tokenizer=))")
         first_keys = next(iter(layers.values()))[0]
         b, hkv, length, _ = first_keys.shape
         require(b == 1, f"kvzip scores one sequence at a time (kvpress: batch 1); got a batch of {b}")
+        if context is None or context.tokenizer is None:
+            raise HarnessError("kvzip replays the context through the model and needs its tokenizer (compression(..., tokenizer=))")
         ids = context.ids[0].tolist()
         prefix, suffix = chat_prefix_and_suffix(context.tokenizer)
         prefix_length = len(prefix) if ids[:len(prefix)] == prefix else 0
