@@ -21,17 +21,25 @@ def main(cfg):
     run(cfg)
 
 
-def unknown_choice(args: list[str]) -> str | None:
-    """The `error: ...` line for a command-line choice of model/method/task/experiment that has no
-    conf/<group>/<name>.yaml, or None (also whenever the arguments are anything unusual: Hydra decides)."""
+def _parsed_overrides(args: list[str]):
+    """The command line's overrides as Hydra parses them, or None where Hydra should decide alone (a search
+    path option, a syntax error Hydra reports itself)."""
     if any(a.split("=", 1)[0] in SEARCH_PATH_OPTIONS or "hydra.searchpath" in a for a in args):
         return None
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     try:
         from hydra.core.override_parser.overrides_parser import OverridesParser
 
-        parsed = OverridesParser.create().parse_overrides(overrides)
+        return OverridesParser.create().parse_overrides(overrides)
     except Exception:  # noqa: BLE001  (Hydra reports syntax errors itself)
+        return None
+
+
+def unknown_choice(args: list[str]) -> str | None:
+    """The `error: ...` line for a command-line choice of model/method/task/experiment that has no
+    conf/<group>/<name>.yaml, or None (also whenever the arguments are anything unusual: Hydra decides)."""
+    parsed = _parsed_overrides(args)
+    if parsed is None:
         return None
     for override in parsed:
         group = override.key_or_group
@@ -54,14 +62,8 @@ def unknown_method_option(args: list[str]) -> str | None:
     (Hydra's own message is a "Key ... is not in struct" block), or None (also for sweeps, `+method.x`, or
     anything unusual: Hydra decides). The method is composed as the command line chooses it (method=,
     experiment=, presets' defaults)."""
-    if any(a.split("=", 1)[0] in SEARCH_PATH_OPTIONS or "hydra.searchpath" in a for a in args):
-        return None
-    overrides = [a for a in args if "=" in a and not a.startswith("-")]
-    try:
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception:  # noqa: BLE001  (Hydra reports syntax errors itself)
+    parsed = _parsed_overrides(args)
+    if parsed is None:
         return None
     options = [o for o in parsed if o.key_or_group.startswith("method.") and o.package is None
                and o.type.name == "CHANGE"]  # not +method.x (adds a key), ++ or ~
