@@ -56,12 +56,6 @@ class AdaKV(WrappedScorer):
     name = "adakv"
     EXACT_BUDGET = False  # kept counts vary by head or layer (tests/methods/test_baselines.py)
 
-    budget: int | list[int] | None = 1024
-    window_size: int = 32
-    gqa: str = "mean"
-    ratio: float | None = None
-    scorer: str = "snapkv"
-    scorer_options: dict = None
     safeguard: float = 0.2
     allocation: str = "kvpress"
 

@@ -54,12 +54,6 @@ class ChunkKV(WrappedScorer):
     # The kept count is a whole number of chunks, not the budget (tests that check lengths read this).
     EXACT_BUDGET: ClassVar[bool] = False
 
-    budget: int | list[int] | None = 1024
-    window_size: int = 64
-    gqa: str = "mean"
-    ratio: float | None = None
-    scorer: str = "snapkv"
-    scorer_options: dict = None
     chunk_length: int = 20
 
     def validate(self, num_layers, max_positions):

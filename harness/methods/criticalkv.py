@@ -49,12 +49,6 @@ def value_output_norms(values: torch.Tensor, module) -> torch.Tensor:
 class CriticalKV(WrappedScorer):
     name = "criticalkv"
 
-    budget: int | list[int] | None = 1024
-    window_size: int = 64
-    gqa: str = "mean"
-    ratio: float | None = None
-    scorer: str = "snapkv"
-    scorer_options: dict = None
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
 

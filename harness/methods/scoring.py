@@ -158,6 +158,9 @@ class WrappedScorer(ScoredMethod):
     positions on kvpress's full-length scores (the scorer's window at max + 1), as kvpress's wrappers do.
     A ratio resolves to kvpress's count (no window floor: the window is protected by its score)."""
 
+    # kvpress's wrappers around SnapKVPress: its window (64) and one selection per KV head (the group mean)
+    window_size: int = 64
+    gqa: str = "mean"
     scorer: str = "snapkv"
     scorer_options: dict = None
 
