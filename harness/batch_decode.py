@@ -33,17 +33,21 @@ SmolLM2, x4 on Llama-3-8B); each step would read all of it. The ragged batch rea
 separate decodes read, in one forward. Its cost is one attention call per setting and layer instead
 of one per layer.
 
-Rows that stop early (EOS, stop string) are masked out, not dropped: the loop is
-`decoding.greedy_decode` itself, unchanged, so the stopping rules are the very same; a stopped
-row's tokens are ignored while the others finish (as greedy_decode does for any batch). A setting's
-`step_seconds` are the batched forwards that produced its tokens.
+Rows that stop early (EOS, stop string) stop being computed: the loop is `decoding.greedy_decode`
+itself, so the stopping rules are the very same, and it asks the batch (`RowsCache.drop_finished`)
+to drop every setting whose rows have all stopped; the next forwards hold the others' rows only. A
+setting's `step_seconds` are the batched forwards that produced its tokens.
 
 The query-agnostic protocol's question (the same ids for every setting, prefilled on top of each
-compressed cache at its true positions) is one batched forward too (`suffix`).
+compressed cache at its true positions) is one batched forward too (`suffix`). Several questions over
+one context (each setting's cache rolled back per question) decode together as well: each question's
+prefill is one batched forward over the caches asked it, then every (setting, question) row decodes in
+one forward per step, each row at its own true positions (RoPE takes per-row positions; the masks are
+built here, per cache). Models with sliding-window layers need every row at the same position (the
+model builds one window mask for the batch): there, each question decodes as its own batch.
 
-All settings of a call decode at the same true positions (one item's prompt, so it is always the
-case in a methods run); eager and SDPA attention are supported (`refusal` says why a set of caches
-cannot be decoded together, for the record's `decoded_with`).
+Eager and SDPA attention are supported (`refusal` says why a set of caches cannot be decoded together,
+for the record's `decoded_with`).
 """
 
 from __future__ import annotations
@@ -89,10 +93,10 @@ class _RowsLayer(CacheLayerMixin):
     than the model computes (gqa=expand), as the engine's expanded layer class does. Sliding-window
     layers (bounded by the model) use their own update."""
 
-    def __init__(self, idx: int, rows: list, bounds: list[tuple[int, int]], room: int):
+    def __init__(self, idx: int, rows: list, bounds: list[tuple[int, int]], room: int, buffers: dict):
         super().__init__()
         self.idx, self.rows, self.bounds, self.room = idx, rows, bounds, room
-        self.buffers: dict[int, tuple] = {}  # setting -> (keys, values) buffers of its full-attention layer
+        self.buffers = buffers  # id(setting's layer) -> (keys, values) buffers of its full-attention layer
         self.pending: list | None = None
         self.is_initialized = True
 
@@ -122,12 +126,12 @@ class _RowsLayer(CacheLayerMixin):
         groups = layer.keys.shape[1] // keys.shape[1]
         if groups > 1:
             keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
-        buffers = self.buffers.get(i)
-        if buffers is None or buffers[0].shape[2] < length + new:  # the first update (or out of room): one copy
+        buffers = self.buffers.get(id(layer))
+        if buffers is None or buffers[0].shape[2] < length + new or buffers[0].data_ptr() != layer.keys.data_ptr():  # the first update (or out of room): one copy
             size = length + max(new, self.room)
             buffers = tuple(old.new_empty((*old.shape[:2], size, old.shape[3])) for old in (layer.keys, layer.values))
             buffers[0][:, :, :length], buffers[1][:, :, :length] = layer.keys, layer.values
-            self.buffers[i] = buffers
+            self.buffers[id(layer)] = buffers
         buffers[0][:, :, length:length + new], buffers[1][:, :, length:length + new] = keys, values
         layer.keys, layer.values = buffers[0][:, :, :length + new], buffers[1][:, :, :length + new]
         return layer.keys, layer.values
@@ -164,14 +168,30 @@ def _per_head_mask(idx: int, inputs, query: torch.Tensor) -> torch.Tensor:
 
 class RowsCache(Cache):
     """Several settings' caches as one batch: rows [lo, hi) of the forward belong to cache i; `room`:
-    how many entries each full-attention layer will still receive (buffers are sized for them)."""
+    how many entries each full-attention layer will still receive (buffers are sized for them);
+    `buffers`: the growing buffers, shared with an earlier RowsCache over the same layers."""
 
-    def __init__(self, caches: list[Cache], room: int = 0):
+    def __init__(self, caches: list[Cache], room: int = 0, buffers: dict | None = None):
         sizes = [int(c.layers[0].keys.shape[0]) for c in caches]
         ends = torch.tensor(sizes).cumsum(0).tolist()
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
-        layers = [_RowsLayer(i, [c.layers[i] for c in caches], self.bounds, room) for i in range(len(caches[0].layers))]
+        buffers = {} if buffers is None else buffers
+        layers = [_RowsLayer(i, [c.layers[i] for c in caches], self.bounds, room, buffers) for i in range(len(caches[0].layers))]
         super().__init__(layers=layers)
+
+    def drop_finished(self, finished: list[bool]) -> list[int]:
+        """Stop computing the settings whose rows have all finished (`finished`: one flag per current row):
+        the next forwards hold only the others' rows. Returns the current rows kept, in order."""
+        keep = [s for s, (lo, hi) in enumerate(self.bounds) if not all(finished[lo:hi])]
+        if len(keep) == len(self.bounds):
+            return list(range(len(finished)))
+        rows = [r for s in keep for r in range(*self.bounds[s])]
+        sizes = [self.bounds[s][1] - self.bounds[s][0] for s in keep]
+        ends = torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()
+        self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
+        for layer in self.layers:
+            layer.rows, layer.bounds = [layer.rows[s] for s in keep], self.bounds
+        return rows
 
 
 def refusal(model, caches: list[Cache]) -> str | None:
@@ -243,41 +263,66 @@ def _attention_per_setting(model, cache: RowsCache):
 
 
 @torch.inference_mode()
-def decode_together(model, caches: list[Cache], first_logits: list[torch.Tensor] | None, prompt_length: int, *,
-                    suffix: torch.Tensor | None = None, **decode_options) -> list[Decoded]:
+def decode_together(model, caches: list[Cache], first_logits: list[torch.Tensor | None] | None, prompt_length, *,
+                    suffix=None, **decode_options) -> list[Decoded]:
     """Greedy decoding of every setting's cache in one batch; returns one `Decoded` per cache, in order.
 
     caches: each setting's cache after its prefill (batch b_i each, usually 1); they grow as a
-        separate decode would grow them. Every row's next token sits at `prompt_length`.
-    first_logits: each setting's last prefill logits (b_i, vocab), where no `suffix` is given.
+        separate decode would grow them.
+    prompt_length: where each cache's next token sits (after its suffix): one int for all, or one per cache.
+    first_logits: each cache's last prefill logits (b_i, vocab), where it has no suffix.
     suffix: ids (1, n) prefilled on top of every cache at positions prompt_length - n .. prompt_length - 1
-        in one batched forward (the query-agnostic question); its logits start the decode.
+        (the query-agnostic question), or one ids tensor (or None) per cache: several questions over one
+        context, each cache a rollback copy holding one question. Caches with the same suffix at the
+        same positions share one batched forward; its logits start their decode.
+    Caches at different positions decode together, each row at its own positions, on models without
+        sliding-window layers (the model builds one window mask for the whole batch).
     decode_options: as `greedy_decode` (max_new_tokens, eos_token_ids, stop_token_ids, stop_strings,
         tokenizer, min_new_tokens, ignore_eos)."""
     reason = refusal(model, caches)
     if reason is not None and reason != "one setting":
         raise HarnessError(f"decode_together: {reason}")
-    room = int(decode_options.get("max_new_tokens", 0)) + (0 if suffix is None else suffix.shape[1])
-    batch = RowsCache(caches, room)
+    n = len(caches)
+    ends = [int(v) for v in prompt_length] if isinstance(prompt_length, (list, tuple)) else [int(prompt_length)] * n
+    suffixes = list(suffix) if isinstance(suffix, (list, tuple)) else [suffix] * n
+    firsts = list(first_logits) if first_logits is not None else [None] * n
+    if not len(ends) == len(suffixes) == len(firsts) == n:
+        raise HarnessError("decode_together: one prompt length, suffix and first-logits entry per cache")
+    if any(s is None and f is None for s, f in zip(suffixes, firsts)):
+        raise HarnessError("decode_together: each cache needs its first logits or a suffix")
+    starts = {(e, 0 if s is None else s.shape[1]) for e, s in zip(ends, suffixes)}
+    if len(starts) > 1 and any(getattr(layer, "is_sliding", False) for layer in caches[0].layers):
+        raise HarnessError("decode_together: caches at different positions on a model with sliding-window layers")
+    room = int(decode_options.get("max_new_tokens", 0)) + max((0 if s is None else s.shape[1] for s in suffixes), default=0)
+    buffers: dict = {}  # shared by the suffix forwards and the decode: each layer moves into its buffer once
     device = caches[0].layers[0].keys.device
-    suffix_seconds = 0.0
-    with _attention_per_setting(model, batch):
-        if suffix is not None:
-            rows = batch.bounds[-1][1]
+    logits, suffix_seconds = list(firsts), [0.0] * n
+    groups: dict = {}
+    for i, (end, ids) in enumerate(zip(ends, suffixes)):
+        if ids is not None:
+            groups.setdefault((end, tuple(ids.reshape(-1).tolist())), []).append(i)
+    for (end, ids), members in groups.items():
+        part = RowsCache([caches[i] for i in members], room, buffers)
+        suffix_ids = torch.tensor([ids], dtype=torch.long, device=device).expand(part.bounds[-1][1], -1)
+        with _attention_per_setting(model, part):
             _sync(device)
             start = time.perf_counter()
-            logits = prefill(model, batch, suffix.to(device).expand(rows, -1), start=prompt_length - suffix.shape[1])
+            out = prefill(model, part, suffix_ids, start=end - len(ids))
             _sync(device)
-            suffix_seconds = time.perf_counter() - start
-        else:
-            if first_logits is None or len(first_logits) != len(caches):
-                raise HarnessError("decode_together: one first-logits tensor per cache, or a suffix")
-            logits = torch.cat([lg.to(device) for lg in first_logits], dim=0)
-        tokens, steps, stopped = greedy_decode(model, batch, logits, prompt_length, **decode_options)
+            seconds = time.perf_counter() - start
+        for i, (lo, hi) in zip(members, part.bounds):
+            logits[i], suffix_seconds[i] = out[lo:hi], seconds
+    batch = RowsCache(caches, room, buffers)
+    bounds = list(batch.bounds)  # each cache's rows of the result (the batch drops settings as they finish)
+    rows = torch.cat([torch.full((hi - lo,), end, dtype=torch.long) for (lo, hi), end in zip(batch.bounds, ends)])
+    positions = int(rows[0]) if len(set(ends)) == 1 else rows.to(device)
+    with _attention_per_setting(model, batch):
+        tokens, steps, stopped = greedy_decode(model, batch, torch.cat([lg.to(device) for lg in logits], dim=0),
+                                               positions, **decode_options)
     out = []
-    for lo, hi in batch.bounds:
+    for i, (lo, hi) in enumerate(bounds):
         produced = max((len(t) for t in tokens[lo:hi]), default=0)
-        out.append(Decoded(tokens[lo:hi], steps[:max(produced - 1, 0)], stopped[lo:hi], suffix_seconds, len(caches)))
+        out.append(Decoded(tokens[lo:hi], steps[:max(produced - 1, 0)], stopped[lo:hi], suffix_seconds[i], n))
     return out
 
 

@@ -53,11 +53,16 @@ def cache_argument(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def forward_tokens(model, cache, ids: torch.Tensor, start: int) -> torch.Tensor:
+def forward_tokens(model, cache, ids: torch.Tensor, start) -> torch.Tensor:
     """One forward of `ids` (B, n) at true positions start .. start + n - 1 through `cache`; the
-    logits of the last position only (B, vocab)."""
+    logits of the last position only (B, vocab). `start`: one position for every row, or a (B,)
+    tensor of each row's own (rows of different settings' caches decoded together, batch_decode.py)."""
     batch, n = ids.shape
-    positions = torch.arange(start, start + n, device=ids.device).unsqueeze(0).expand(batch, -1)
+    offsets = torch.arange(n, device=ids.device).unsqueeze(0)
+    if isinstance(start, torch.Tensor):
+        positions = start.to(ids.device).view(-1, 1) + offsets
+    else:
+        positions = (offsets + int(start)).expand(batch, -1)
     out = model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_argument(model): cache})
     logits = out.logits[:, -1, :]
     del out
@@ -84,7 +89,7 @@ def greedy_decode(
     model,
     cache,
     logits: torch.Tensor,
-    prompt_length: int,
+    prompt_length,
     *,
     max_new_tokens: int,
     eos_token_ids: list[int] = (),
@@ -94,7 +99,8 @@ def greedy_decode(
     min_new_tokens: int = 0,
     ignore_eos: bool = False,
 ) -> tuple[list[list[int]], list[float], list[str]]:
-    """Greedy decoding from the prefill's last `logits` (B, vocab); token t sits at prompt_length + t.
+    """Greedy decoding from the prefill's last `logits` (B, vocab); token t sits at prompt_length + t
+    (`prompt_length`: an int, or a (B,) tensor of each row's own, as `forward_tokens` takes).
 
     Stops a row at any EOS id or stop token id (the token is kept, as `generate` does), or when its
     decoded text contains a stop string. `min_new_tokens` forbids EOS/stop tokens for the first
@@ -108,13 +114,14 @@ def greedy_decode(
     done = [False] * batch
     stopped = ["length"] * batch
     steps: list[float] = []
+    active, positions = list(range(batch)), prompt_length  # the rows still computed (logits has one row each)
     for t in range(max_new_tokens):
         if banned is not None and t < min_new_tokens:
             logits = logits.clone()
             logits[:, banned] = float("-inf")
         next_ids = logits.argmax(dim=-1)
         ids = next_ids.tolist()
-        for row, tok in enumerate(ids):
+        for row, tok in zip(active, ids):
             if done[row]:
                 continue
             tokens[row].append(tok)
@@ -126,8 +133,19 @@ def greedy_decode(
                     done[row], stopped[row] = True, "stop_string"
         if all(done) or t == max_new_tokens - 1:
             break
+        # A cache that can drop finished rows (batch_decode.RowsCache: a setting whose rows all stopped) stops
+        # computing them; any other cache computes every row to the end, the finished ones' tokens ignored.
+        drop = getattr(cache, "drop_finished", None)
+        if drop is not None and any(done[row] for row in active):
+            kept = drop([done[row] for row in active])
+            if len(kept) < len(active):
+                index = torch.tensor(kept, dtype=torch.long, device=device)
+                next_ids = next_ids[index]
+                if isinstance(positions, torch.Tensor):
+                    positions = positions[index.to(positions.device)]
+                active = [active[j] for j in kept]
         start = time.perf_counter()
-        logits = forward_tokens(model, cache, next_ids[:, None], prompt_length + t)
+        logits = forward_tokens(model, cache, next_ids[:, None], positions + t)
         _sync(model)
         steps.append(time.perf_counter() - start)
     return tokens, steps, stopped

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from harness import decoding
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import tiny_models
@@ -139,9 +141,10 @@ def test_expand_mean_per_layer_and_full_decode_together_like_separately(attn, qu
         assert (batched[tag].suffix_seconds > 0) == (not query_aware)
 
 
-def test_rows_that_stop_early_keep_their_own_tokens_and_steps(one_thread):
+def test_rows_that_stop_early_keep_their_own_tokens_and_steps(one_thread, monkeypatch):
     """A stop token that ends some settings early (at different steps) and others not at all: every
-    setting's tokens, reason and number of forwards equal its separate decode's."""
+    setting's tokens, reason and number of forwards equal its separate decode's, and the batch stops
+    computing a setting once it has stopped (the forwards' rows: the settings still decoding)."""
     model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
     prompt = Prompt(prompt_ids(seed=1)[0].tolist(), QUESTION_AT)
     methods = settings()
@@ -153,7 +156,19 @@ def test_rows_that_stop_early_keep_their_own_tokens_and_steps(one_thread):
             counts[tok] = counts.get(tok, 0) + 1
     stop = next(tok for tok, c in sorted(counts.items()) if 0 < c < len(methods))
     alone = separately(model, methods, prompt, query_aware=True, max_new_tokens=NEW, stop_token_ids=[stop])
+    rows, forward = [], decoding.forward_tokens
+
+    def counting(model, cache, ids, start):
+        rows.append(int(ids.shape[0]))
+        return forward(model, cache, ids, start)
+
+    monkeypatch.setattr(decoding, "forward_tokens", counting)
     batched, _ = together(model, methods, prompt, query_aware=True, max_new_tokens=NEW, stop_token_ids=[stop])
+    monkeypatch.undo()
+    still = [sum(len(b.tokens[0]) > t + 1 for b in batched.values()) for t in range(NEW - 1)]
+    # rows[0]: the shared prefill; then step t + 1 computes exactly the settings not yet stopped
+    assert rows[1:] == [n for n in still if n], (rows, still)
+    assert min(rows[1:]) < len(methods)
     reasons = set()
     for tag, _ in methods:
         gen = alone[tag].generation

@@ -43,7 +43,8 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def many_question_prompt() -> Prompt:
     context = tokens(CONTEXT, 1)
-    questions = [Question(tokens(QUESTION, 10 + i), {"question": (CONTEXT, CONTEXT + QUESTION)}) for i in range(K)]
+    # questions of different lengths: decoded together, each (setting, question) row sits at its own positions
+    questions = [Question(tokens(QUESTION + i, 10 + i), {"question": (CONTEXT, CONTEXT + QUESTION + i)}) for i in range(K)]
     return Prompt(context, spans={"needle": (40, 48)}, questions=questions)
 
 
@@ -88,7 +89,7 @@ def test_each_answer_equals_that_question_asked_alone(family, gqa, decode_starts
     # the batched default must give the same answers (checked at the end)
     out = generate_settings(loaded, methods, prompt, query_aware=False, max_new_tokens=NEW, decode_together=False)
     assert [start for start, _ in prefill_starts].count(0) == 1, "one context prefill for every setting and question"
-    assert sorted(prefill_starts[1:]) == [(CONTEXT, QUESTION)] * (K * len(methods))
+    assert sorted(prefill_starts[1:]) == sorted([(CONTEXT, QUESTION + i) for i in range(K)] * len(methods))
     many = {tag: question_outcomes(o, K) for tag, o in out.items()}
     starts_many = {tag: [] for tag, _ in methods}
     for (tag, _), start in zip([(t, i) for i in range(K) for t in ("snapkv", "h2o", "streamingllm", "full")], decode_starts):
@@ -103,7 +104,7 @@ def test_each_answer_equals_that_question_asked_alone(family, gqa, decode_starts
             assert got.generation.tokens == alone[tag].generation.tokens, (family, gqa, tag, i)
             many_logits, many_layout, many_position = starts_many[tag][i]
             assert torch.equal(many_logits, logits), (family, gqa, tag, i)  # bitwise: the same cache, the same forward
-            assert many_layout == layout and many_position == position == CONTEXT + QUESTION, (tag, i)
+            assert many_layout == layout and many_position == position == CONTEXT + QUESTION + i, (tag, i)
             assert got.diagnostics["question_position"] == CONTEXT
             assert got.diagnostics["shared_with"] == [t for t, _ in methods]
             assert {k: v for k, v in got.diagnostics.items() if k not in ("question_position", "shared_prefill_seconds")} == {
@@ -112,9 +113,11 @@ def test_each_answer_equals_that_question_asked_alone(family, gqa, decode_starts
                 assert (kept is None and alone[tag].kept[layer] is None) or torch.equal(kept, alone[tag].kept[layer])
         decode_starts.clear()
     together = generate_settings(loaded, methods, prompt, query_aware=False, max_new_tokens=NEW)
+    # every setting x question in one batch; with sliding-window layers (one window mask per batch) one batch per question
+    rows = len(methods) * (K if family == "llama" else 1)
     for tag, outcome in together.items():
         for i, answer in enumerate(question_outcomes(outcome, K)):
-            assert answer.diagnostics["decoded_with"] == f"batch of {len(methods)}"
+            assert answer.diagnostics["decoded_with"] == f"batch of {rows}"
             assert answer.generation.tokens == many[tag][i].generation.tokens, (family, gqa, tag, i)
     if family == "gemma3":  # the sliding layers' counters crossed the window: 96 + 24 tokens, window 16
         sliding = [layer for layer in starts_many["full"][0][1] if layer[1] is not None]
@@ -124,7 +127,7 @@ def test_each_answer_equals_that_question_asked_alone(family, gqa, decode_starts
 def test_query_aware_compresses_each_question_with_the_context(prefill_starts, one_thread):
     loaded, prompt, methods = loaded_of(tiny_model("llama")), many_question_prompt(), settings("expand")
     many = {tag: question_outcomes(o, K) for tag, o in generate_settings(loaded, methods, prompt, max_new_tokens=NEW).items()}
-    assert prefill_starts == [(0, CONTEXT + QUESTION)] * K, "K prefills of context + question, shared by every setting"
+    assert prefill_starts == [(0, CONTEXT + QUESTION + i) for i in range(K)], "K prefills of context + question, shared by every setting"
     for i, alone_prompt in enumerate(prompt.asked()):
         alone = generate_settings(loaded, methods, alone_prompt, max_new_tokens=NEW)
         for tag, _ in methods:

@@ -291,9 +291,9 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
 
     A prompt of K questions (`Prompt.questions`) gives each setting a `QuestionOutcomes`. Query-agnostic:
     the context is prefilled and compressed once; each question is asked on a rollback copy of every
-    setting's compressed cache (`rollback_copy`), dropped after its answer, so each answer equals that
-    question asked alone on the same compressed cache (the last question gets the cache itself: nothing
-    follows it). `keep_answers` (multi-turn): no copies; question i + 1 follows question i and its answer
+    setting's compressed cache (`rollback_copy`), and every (setting, question) decodes in one batch, so each
+    answer equals that question asked alone on the same compressed cache (the last question gets the cache
+    itself: nothing follows it). `keep_answers` (multi-turn): no copies; question i + 1 follows question i and its answer
     in the cache (the answer's last token, which decoding never feeds back, opens the next turn), at true
     positions. Query-aware: each question is compressed with the context, one prefill per question,
     shared by every setting.
@@ -329,40 +329,49 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
             kept = {tag: {i: r.positions for i, r in session.states[tag].layers.items()} if tag in session.states else {}
                     for tag, _ in order}
             talks: dict[str, Turn] = {}  # keep_answers: each setting's conversation so far
-            for number, asking in enumerate(questions):
-                last = number == len(questions) - 1
-                turns, diagnostics = {}, {}
-                for tag, method in order:
-                    if keep_answers and answers[tag] and answers[tag][-1].error is not None:
-                        answers[tag].append(Outcome(None, {}, answers[tag][-1].error))  # its conversation broke
-                        continue
-                    try:
-                        diagnostics[tag] = compression_diagnostics(session.states.get(tag), method, asking, end, bases[tag])
-                    except ITEM_ERRORS as exc:
-                        answers[tag].append(Outcome(None, {}, exc))
-                        continue
-                    before = talks.get(tag)
-                    if keep_answers and before is not None:
-                        turns[tag] = Turn(before.cache, [*before.answer[-1:], *asking.ids[end:]], before.next_position)
-                    else:  # the cache itself where nothing is asked after this question, else a rollback copy
-                        base = bases[tag] if last or keep_answers else rollback_copy(bases[tag])
-                        turns[tag] = Turn(base, asking.ids[end:], end)
-                if last:
+            # Independent questions are asked all at once (every setting x question decodes in one batch); multi-turn
+            # (keep_answers) asks them in order, each after the previous answers.
+            rounds = [[i] for i in range(len(questions))] if keep_answers else [list(range(len(questions)))]
+            for numbers in rounds:
+                turns, diagnostics, results = {}, {}, {}
+                for number in numbers:
+                    asking, last = questions[number], number == len(questions) - 1
+                    for tag, method in order:
+                        key = (tag, number)
+                        if keep_answers and answers[tag] and answers[tag][-1].error is not None:
+                            results[key] = Outcome(None, {}, answers[tag][-1].error)  # its conversation broke
+                            continue
+                        try:
+                            diagnostics[key] = compression_diagnostics(session.states.get(tag), method, asking, end, bases[tag])
+                        except ITEM_ERRORS as exc:
+                            results[key] = Outcome(None, {}, exc)
+                            continue
+                        before = talks.get(tag)
+                        if keep_answers and before is not None:
+                            turns[key] = Turn(before.cache, [*before.answer[-1:], *asking.ids[end:]], before.next_position)
+                        else:  # the cache itself where nothing is asked after this question, else a rollback copy
+                            base = bases[tag] if last or keep_answers else rollback_copy(bases[tag])
+                            turns[key] = Turn(base, asking.ids[end:], end)
+                if len(questions) - 1 in numbers:
                     bases.clear()  # the last answers own their caches: each is freed with its turn
                 generations = _answer(loaded, turns, logits, together=decode_together, **decode)
-                for tag, diag in diagnostics.items():
-                    gen = generations[tag]
+                for key, diag in diagnostics.items():
+                    gen = generations[key]
                     if isinstance(gen, BaseException):
-                        answers[tag].append(Outcome(None, {}, gen))
+                        results[key] = Outcome(None, {}, gen)
                         continue
                     gen.prefill_seconds += shared_seconds
                     diag["shared_prefill_seconds"] = round(shared_seconds, 4)
                     diag["decoded_with"] = gen.decoded_with
                     if prompt.questions:  # where this question's first token sits (after the earlier turns: multi-turn)
-                        diag["question_position"] = turns[tag].start + len(turns[tag].ids) - (len(asking.ids) - end)
-                    answers[tag].append(Outcome(gen, diag, kept=kept[tag]))
-                    turns[tag].answer = gen.tokens[0]
-                talks = turns if keep_answers else {}
+                        asked_ids = questions[key[1]].ids
+                        diag["question_position"] = turns[key].start + len(turns[key].ids) - (len(asked_ids) - end)
+                    results[key] = Outcome(gen, diag, kept=kept[key[0]])
+                    turns[key].answer = gen.tokens[0]
+                for number in numbers:  # in question order, each setting's answers
+                    for tag, _ in order:
+                        answers[tag].append(results[(tag, number)])
+                talks = {tag: turns[(tag, n)] for tag, n in turns} if keep_answers else {}
                 del turns, generations
     if not prompt.questions:
         return {tag: outs[0] for tag, outs in answers.items()}
@@ -385,39 +394,53 @@ class Turn:
         return self.start + len(self.ids) + max(0, len(self.answer) - 1)
 
 
-def _answer(loaded: LoadedModel, turns: dict[str, Turn], logits: torch.Tensor, *, together: bool = True,
-            **decode) -> dict[str, Generation | BaseException]:
-    """Every setting's answer to one question: its turn's ids prefilled on top of its own cache at their true
-    positions (no ids: `logits`, the compressed prefill's last logits, start decoding), then greedy decoding.
-    Returns {tag: Generation (prefill_seconds: this turn's own prefill), or the runtime/out-of-memory error that
-    failed that setting's answer}. With `together`, all settings decode as one batch, one forward per step
-    (harness/batch_decode.py: each setting attends to its own cache only; tokens equal the separate decodes);
-    where they cannot (one setting, turns at different positions, an attention kernel it does not take, a
-    failure), one after another, and every Generation's `decoded_with` says which and why."""
+def _answer(loaded: LoadedModel, turns: dict, logits: torch.Tensor, *, together: bool = True,
+            **decode) -> dict:
+    """Every turn's answer: its ids prefilled on top of its own cache at their true positions (no ids:
+    `logits`, the compressed prefill's last logits, start decoding), then greedy decoding. `turns`: {key: Turn},
+    one per setting (and per question, when several questions over one context are asked at once).
+    Returns {key: Generation (prefill_seconds: this turn's own prefill), or the runtime/out-of-memory error that
+    failed that answer}. With `together`, all turns decode as one batch, one forward per step
+    (harness/batch_decode.py: each attends to its own cache only, at its own positions; tokens equal the
+    separate decodes); on a model with sliding-window layers, turns at different positions decode as one batch
+    per position. Where they cannot (one turn, an attention kernel it does not take), one after another, and
+    every Generation's `decoded_with` says which and why. A batch that runs out of memory raises (the caller
+    retries smaller groups of settings from their own prefills); another error fails every answer of the batch."""
     from harness.batch_decode import decode_together, decoded_with, refusal
     from harness.decoding import Generation, _sync, greedy_decode, prefill
 
     model, device = loaded.model, loaded.device
     options = {"eos_token_ids": loaded.eos_token_ids, **decode}
     why = "one setting" if len(turns) < 2 else None if together else "decode_together=false"
-    if why is None and len({(t.start, tuple(t.ids)) for t in turns.values()}) > 1:
-        why = "turns at different positions (multi-turn)"
     if why is None:
         why = refusal(model, [t.cache for t in turns.values()])
+    places: dict = {}
+    for key, t in turns.items():
+        places.setdefault((t.start, tuple(t.ids)), []).append(key)
+    sliding = any(getattr(layer, "is_sliding", False) for t in turns.values() for layer in t.cache.layers)
+    if why is None and len(places) > 1 and sliding:  # one window mask per batch: one batch per position
+        out: dict = {}
+        for keys in places.values():
+            out.update(_answer(loaded, {k: turns[k] for k in keys}, logits, together=True, **decode))
+        return out
     if why is None:
-        turn = next(iter(turns.values()))
-        length = turn.start + len(turn.ids)
-        suffix = torch.tensor([turn.ids], dtype=torch.long, device=device) if turn.ids else None
+        ends = [t.start + len(t.ids) for t in turns.values()]
+        suffixes = [torch.tensor([t.ids], dtype=torch.long, device=device) if t.ids else None for t in turns.values()]
         try:
-            decoded = decode_together(model, [t.cache for t in turns.values()], None if suffix is not None else [logits] * len(turns),
-                                      length, suffix=suffix, tokenizer=loaded.tokenizer, **options)
+            decoded = decode_together(model, [t.cache for t in turns.values()], [None if t.ids else logits for t in turns.values()],
+                                      ends, suffix=suffixes, tokenizer=loaded.tokenizer, **options)
         except ITEM_ERRORS as exc:
-            why = f"batched decode failed: {type(exc).__name__}"
+            # The caches may hold part of the batch's work: no answer here can be trusted or redone on them.
+            # Out of memory: `generate_settings` retries in smaller groups, each from its own prefill;
+            # another runtime error fails these answers (the item is asked again by the next run).
+            if is_out_of_memory(exc):
+                raise
+            return {key: exc for key in turns}
         else:
             label = decoded_with(len(turns), None)
-            return {tag: Generation(tokens=d.tokens, prompt_length=length, prefill_seconds=d.suffix_seconds,
+            return {key: Generation(tokens=d.tokens, prompt_length=end, prefill_seconds=d.suffix_seconds,
                                     step_seconds=d.step_seconds, stopped_by=d.stopped_by, decoded_with=label)
-                    for tag, d in zip(turns, decoded)}
+                    for key, d, end in zip(turns, decoded, ends)}
     out: dict[str, Generation | BaseException] = {}
     for tag, turn in turns.items():
         try:
@@ -473,11 +496,13 @@ class QuestionLog:
     list of question records (those already there are skipped by the log). A partly done item (a question
     failed, or the run stopped between records) is asked again and only its missing records are added."""
 
-    def __init__(self, log: JsonlLog, questions: int):
-        self.log, self.questions = log, int(questions)
+    def __init__(self, log: JsonlLog, questions):
+        """questions: K for every item, or a function of the item's key giving its K."""
+        self.log = log
+        self.questions = questions if callable(questions) else (lambda key, k=int(questions): k)
 
     def __contains__(self, key) -> bool:
-        return all((*key, i) in self.log for i in range(self.questions))
+        return all((*key, i) in self.log for i in range(self.questions(key)))
 
     def append(self, records: list[dict]) -> None:
         for record in records:

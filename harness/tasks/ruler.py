@@ -13,6 +13,13 @@ question pattern (niah "What is/are all the special magic", vt/cwe/fwe "Question
 "Answer the question based on the given documents."), so RULER's task preamble (and vt's and cwe's
 one-shot example) is compressed with the context; the question, the chat wrapper's closing tokens and
 the answer prefix are prefilled on top, uncompressed.
+
+One key at a time (`task.one_key_at_a_time=true`, a named departure from RULER): the niah tasks with several
+keys (niah_multikey_1: 4 keys, one asked; niah_multiquery: 4 keys, all asked in one question) ask each inserted
+key alone, in RULER's one-key wording, over one context: K questions per sample, one record each
+(`question_index`), each scored by the task's metric against that key's values. Query-agnostic, the context is
+prefilled and compressed once and every question asked on it (how a compressed context is reused); query-aware,
+each question is compressed with the context. Other tasks keep their one question.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, generate_settings, run_shared_items
+from harness.tasks.common import Prompt, Question, QuestionLog, generate_settings, question_outcomes, run_shared_items
 from harness.tasks.ruler_data import ALL_TASKS, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper, qa_files, QA_FILES
 from metrics.ruler import metric_for, postprocess_pred, sample_score
 
@@ -61,8 +68,18 @@ def validate(task: DictConfig) -> None:
             require(qa_files(task.get("qa_data_dir"), dataset) is not None,
                     f"RULER {name} needs {' or '.join(QA_FILES[dataset])} in task.qa_data_dir (now {task.get('qa_data_dir')!r}); "
                     "download it or leave qa_1/qa_2 out of task.tasks")
+    one_key = task.get("one_key_at_a_time")
+    require(one_key in (None, True, False), f"task.one_key_at_a_time={one_key!r}: give true or false")
     if any(n in ESSAY_TASKS for n in names):
         essay_text(task)
+
+
+def questions_per_sample(name: str, one_key: bool) -> int:
+    """Questions asked per sample: each key of a niah task with several (niah sets nk = max(nk, nq)) under
+    one key at a time, else RULER's one."""
+    family, args = TASKS[name]
+    keys = max(args.get("nk", 1), args.get("nq", 1)) if family == "niah" else 1
+    return keys if one_key and keys > 1 else 1
 
 
 def essay_text(task: DictConfig) -> str:
@@ -95,8 +112,23 @@ class Tokenized:
         return len(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def prompt(self, s: Sample) -> Prompt:
+        prompt = self._one(s.text, s.question_start, s.needle_chars)
+        if not s.questions:
+            return prompt
+        # several keys asked one at a time: the context's tokens (those before the question) are the same in each
+        start, questions = prompt.question_start, []
+        for text, _ in s.questions:
+            ids = self._one(text, s.question_start, []).ids
+            if ids[:start] != prompt.ids[:start]:
+                raise HarnessError(f"RULER {s.task}: the one-key questions tokenize the context differently; "
+                                   "run it with task.one_key_at_a_time=false")
+            questions.append(Question(ids[start:], {"question": (start, len(ids))}))
+        spans = {k: v for k, v in prompt.spans.items() if k != "question"}
+        return Prompt(prompt.ids[:start], spans=spans, questions=questions)
+
+    def _one(self, text: str, question_char: int, needle_chars) -> Prompt:
         try:
-            enc = self.tok(s.text, add_special_tokens=self.add_special, return_offsets_mapping=True)
+            enc = self.tok(text, add_special_tokens=self.add_special, return_offsets_mapping=True)
         except (NotImplementedError, ValueError, TypeError) as exc:
             raise HarnessError(f"task=ruler needs a tokenizer with character offsets (a fast tokenizer) to place the "
                                f"needle spans and the question split; {type(self.tok).__name__} has none ({exc})") from None
@@ -105,8 +137,8 @@ class Tokenized:
         def token_at(c: int) -> int:  # the token holding character c (the first token ending after it)
             return bisect.bisect_right(ends, c)
 
-        question = token_at(s.question_start)
-        spans = {f"needle_{i}": (token_at(a), min(len(ids), bisect.bisect_left(ends, b) + 1)) for i, (a, b) in enumerate(s.needle_chars)}
+        question = token_at(question_char)
+        spans = {f"needle_{i}": (token_at(a), min(len(ids), bisect.bisect_left(ends, b) + 1)) for i, (a, b) in enumerate(needle_chars)}
         spans["question"] = (question, len(ids))
         return Prompt(ids, question, spans)
 
@@ -119,6 +151,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     query_aware = bool(task.get("query_aware", True))
     protocol = protocol_name(query_aware)
     chunk_size = cfg.model.get("prefill_chunk_size")
+    one_key = bool(task.get("one_key_at_a_time") or False)
     if loaded.max_positions:
         require(max(lengths) <= loaded.max_positions,
                 f"task.lengths: {max(lengths)} exceeds {loaded.name}'s {loaded.max_positions} positions")
@@ -129,12 +162,17 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     def sample(name: str, length: int, index: int) -> Sample:
         if (name, length) not in generated:  # RULER's first `samples` samples of this task and length, in order
             gen = TaskGenerator(name, length, seed=seed, measure=tokenized.measure, count=tokenized.count,
-                                wrapper=tokenized.wrapper, essay=essay, qa_data_dir=task.get("qa_data_dir"))
+                                wrapper=tokenized.wrapper, essay=essay, qa_data_dir=task.get("qa_data_dir"),
+                                one_key_at_a_time=one_key)
             generated[(name, length)] = gen.samples(samples)
         return generated[(name, length)][index]
 
     by_tag = {s.tag: s for s in settings}
-    logs = {s.tag: s.run_dir.log("ruler_samples.jsonl", key=("task", "length", "index")) for s in settings}
+    if one_key:  # one record per (sample, question): a sample is done once all its questions are
+        logs = {s.tag: QuestionLog(s.run_dir.log("ruler_samples.jsonl", key=("task", "length", "index", "question_index")),
+                                   lambda key: questions_per_sample(key[0], True)) for s in settings}
+    else:
+        logs = {s.tag: s.run_dir.log("ruler_samples.jsonl", key=("task", "length", "index")) for s in settings}
     log.info("ruler: %d task(s) x %d length(s) x %d sample(s), %d setting(s), %s, template=%s",
              len(names), len(lengths), samples, len(settings), protocol, task.template)
 
@@ -147,40 +185,58 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
         outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], prompt, query_aware=query_aware,
                                      chunk_size=chunk_size, max_new_tokens=s.tokens_to_generate, decode_together=bool(cfg.get("decode_together", True)))
         needle_sizes = {k: b - a for k, (a, b) in prompt.spans.items() if k.startswith("needle_")}
+        asked = s.questions or [(s.text, s.references)]
         out = {}
-        for tag, o in outcomes.items():
-            if o.error is not None:
-                out[tag] = o.error
+        for tag, whole in outcomes.items():
+            records, error = [], None
+            for i, o in enumerate(question_outcomes(whole, len(asked))):
+                if o.error is not None:
+                    error = error or o.error
+                    continue
+                text, references = asked[i]
+                record = sample_record(o, name, length, index, protocol, references, s, needle_sizes)
+                record["prompt_tokens"] = len(prompt.ids) + (len(prompt.questions[i].ids) if prompt.questions else 0)
+                record["question_start"] = prompt.question_start
+                if one_key:
+                    record.update(question_index=i, questions=len(asked), one_key_at_a_time=True)
+                if task.get("log_prompts"):
+                    record["prompt"] = text
+                records.append(record)
+            if not one_key:
+                out[tag] = error if error is not None else records[0]
                 continue
-            response = loaded.tokenizer.decode(o.generation.tokens[0], skip_special_tokens=True)
-            diag = dict(o.diagnostics)
-            kept = [(diag.get(f"{k}_kept"), n) for k, n in needle_sizes.items()]
-            record = {
-                "task": name, "length": length, "index": index, "protocol": protocol,
-                "references": s.references, "response": response, "score": sample_score(name, response, s.references),
-                "answer_prefix": s.answer_prefix, "prompt_tokens": len(prompt.ids), "question_start": prompt.question_start,
-                "tokens_to_generate": s.tokens_to_generate, "new_tokens": len(o.generation.tokens[0]),
-                "stopped_by": o.generation.stopped_by[0], "prefill_seconds": round(o.generation.prefill_seconds, 4),
-                "decode_seconds": round(o.generation.decode_seconds, 4),
-                # token-weighted mean over the inserted needles (None: the task inserts none, or nothing compressed)
-                "needle_kept": (round(sum(k * n for k, n in kept) / sum(n for _, n in kept), 4)
-                                if kept and all(k is not None for k, _ in kept) and sum(n for _, n in kept) else None),
-                **diag,
-            }
-            if task.get("log_prompts"):
-                record["prompt"] = s.text
-            out[tag] = record
+            if error is not None:  # the answered questions are kept: a rerun asks only the failed one
+                logs[tag].append(records)
+            out[tag] = records if error is None else error
         return out
+
+    def sample_record(o, name, length, index, protocol, references, s, needle_sizes) -> dict:
+        response = loaded.tokenizer.decode(o.generation.tokens[0], skip_special_tokens=True)
+        diag = dict(o.diagnostics)
+        kept = [(diag.get(f"{k}_kept"), n) for k, n in needle_sizes.items()]
+        return {
+            "task": name, "length": length, "index": index, "protocol": protocol,
+            "references": references, "response": response, "score": sample_score(name, response, references),
+            "answer_prefix": s.answer_prefix, "tokens_to_generate": s.tokens_to_generate,
+            "new_tokens": len(o.generation.tokens[0]), "stopped_by": o.generation.stopped_by[0],
+            "prefill_seconds": round(o.generation.prefill_seconds, 4), "decode_seconds": round(o.generation.decode_seconds, 4),
+            # token-weighted mean over the inserted needles (None: the task inserts none, or nothing compressed)
+            "needle_kept": (round(sum(k * n for k, n in kept) / sum(n for _, n in kept), 4)
+                            if kept and all(k is not None for k, _ in kept) and sum(n for _, n in kept) else None),
+            **diag,
+        }
 
     items = [(name, n, i) for n in lengths for name in names for i in range(samples)]
     outcome = run_shared_items(items, logs=logs, key=lambda it: it, work=work, desc="ruler samples",
                                failures_paths={s.tag: s.run_dir.path / "failures.json" for s in settings}, progress=progress)
     results = {}
     for s in settings:
-        rows = [logs[s.tag].records[it] for it in items if it in logs[s.tag].records]
+        order = {it: n for n, it in enumerate(items)}
+        rows = sorted((r for k, r in logs[s.tag].records.items() if tuple(k[:3]) in order),
+                      key=lambda r: (order[(r["task"], r["length"], r["index"])], r.get("question_index", 0)))
         write_csv(s.run_dir.path / "ruler_samples.csv", rows)
         summary = summarize(rows, names, lengths)
-        summary.update(protocol=protocol, template=str(task.template), seed=seed, samples_per_task=samples,
+        summary.update(protocol=protocol, template=str(task.template), seed=seed, samples_per_task=samples, one_key_at_a_time=one_key,
                        failed_samples=len(outcome[s.tag].failures), prefill_chunk_size=chunk_size,
                        tokenizer=getattr(loaded.tokenizer, "name_or_path", None))
         results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}

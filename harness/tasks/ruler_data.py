@@ -213,6 +213,9 @@ class Sample:
     tokens_to_generate: int
     question_start: int = 0  # character offset of kvpress's split (the last question-pattern match)
     needle_chars: list[tuple[int, int]] = field(default_factory=list)
+    # one key at a time (TaskGenerator(one_key_at_a_time=True), niah with several keys): [(model input, references)]
+    # per key, each asking that key alone; `text` is then the first of them. Empty: RULER's one question.
+    questions: list[tuple[str, list[str]]] = field(default_factory=list)
 
 
 @dataclass
@@ -242,9 +245,11 @@ class TaskGenerator:
     MAX_TRIES_AT_FLOOR = 20
 
     def __init__(self, task: str, length: int, *, seed: int, measure: Callable[[str], int], count: Callable[[str], int],
-                 wrapper: Wrapper, essay: str | None = None, qa_data_dir: str | None = None, words=None):
+                 wrapper: Wrapper, essay: str | None = None, qa_data_dir: str | None = None, words=None,
+                 one_key_at_a_time: bool = False):
         require(task in TASKS, f"task.tasks: unknown RULER task {task!r}; known: {', '.join(TASKS)}")
         self.task, self.length, self.seed = task, int(length), int(seed)
+        self.one_key_at_a_time = bool(one_key_at_a_time)
         self.family, args = TASKS[task]
         self.args = dict(args)  # a copy: niah raises nk to nq for this generator only
         self.measure, self.count = measure, count
@@ -345,6 +350,12 @@ class TaskGenerator:
         make = getattr(self, f"_samples_{self.family}")
         out = make(n)
         for s in out:
+            if s.questions:  # one key at a time: the context (everything before the question) is the same in each
+                s.text, s.references = s.questions[0]
+                s.answer_prefix = s.text[s.text.rfind(self.prefix_template[:10]):]
+                starts = {question_start(text, self.family) for text, _ in s.questions}
+                if len(starts) != 1 or len({text[:next(iter(starts))] for text, _ in s.questions}) != 1:
+                    raise HarnessError(f"RULER {self.task}: the one-key questions do not share their context")
             s.question_start = question_start(s.text, self.family)
             at = s.text.rfind(s.context)
             s.needle_chars = []
@@ -393,20 +404,28 @@ class TaskGenerator:
         queries = [keys[i] for i in picked]
         answers = [v for i in picked for v in values[i]]
         query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
-        template, type_v = self.template, a["v"]
-        if a["nq"] * a["nv"] == 1:  # RULER rewrites the whole template (wrapper and prefix included) to singular
+        text = self._niah_text(context, query, a["nq"] * a["nv"] == 1)
+        variants = []
+        if self.one_key_at_a_time and a["nk"] > 1:  # each inserted key asked alone, as RULER words a one-key question
+            variants = [(self._niah_text(context, keys[i], a["nv"] == 1), list(values[i])) for i in range(a["nk"])]
+        return text, answers, needles, context, variants
+
+    def _niah_text(self, context: str, query: str, singular: bool) -> str:
+        template, type_v = self.template, self.args["v"]
+        if singular:  # RULER rewrites the whole template (wrapper and prefix included) to singular
             for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
                 template = template.replace(old, new)
             type_v = type_v[:-1]
-        return template.format(type_needle_v=type_v, context=context, query=query), answers, needles, context
+        return template.format(type_needle_v=type_v, context=context, query=query)
 
     def _samples_niah(self, n: int) -> list[Sample]:
         size = self._search(self._niah, self.incremental)
         return [self._sample(i, *self._fitted(self._niah, size, self.incremental)) for i in range(n)]
 
-    def _sample(self, index, text, answers, needles, context) -> Sample:
+    def _sample(self, index, text, answers, needles, context, questions=()) -> Sample:
         prefix = text[text.rfind(self.prefix_template[:10]):]  # RULER's answer-prefix split (first 10 characters)
-        return Sample(self.task, index, text, list(answers), prefix, list(needles), context, self.tokens_to_generate)
+        return Sample(self.task, index, text, list(answers), prefix, list(needles), context, self.tokens_to_generate,
+                      questions=list(questions))
 
     # vt ----------------------------------------------------------------------------------------------
     def _chains(self, is_icl: bool):

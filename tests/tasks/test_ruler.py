@@ -271,3 +271,52 @@ def test_qa_from_a_hotpotqa_file(tmp_path):
     assert s[0].references == ["ans0"] and s[1].references == ["ans1"]
     assert len(s[0].needles) == 10 and all(f"T0_{i}\nSentence 0 {i} a. Sentence 0 {i} b." in s[0].context for i in range(10))
     assert s[0].text.endswith("Question: Who is 0? Answer:")
+
+
+@pytest.mark.parametrize("name", ["niah_multikey_1", "niah_multiquery"])
+def test_one_key_at_a_time_asks_each_inserted_key_alone(essay, name):
+    t = _tokenized("llama-bpe")
+    make = lambda one_key: TaskGenerator(name, 2048, seed=42, measure=t.measure, count=t.count, wrapper=t.wrapper,
+                                         essay=essay, one_key_at_a_time=one_key).samples(2)
+    for plain, split in zip(make(False), make(True)):
+        assert split.context == plain.context and split.needles == plain.needles  # the same draw: the sample is RULER's
+        assert len(split.questions) == 4 and plain.questions == []
+        # each inserted needle "One of the special magic numbers for KEY is: VALUE." is one question, asked RULER's
+        # one-key way, its reference that key's value; every question shares the text before the question
+        pairs = dict(re.fullmatch(r"One of the special magic numbers for (.+) is: (\d+)\.", n).groups() for n in plain.needles)
+        asked = []
+        for text, references in split.questions:
+            key = re.search(r"What is the special magic number for (.+) mentioned in the provided text\?", text).group(1)
+            assert references == [pairs[key]]
+            assert text.endswith(f" The special magic number for {key} mentioned in the provided text is")
+            assert text[:split.question_start] == split.questions[0][0][:split.question_start]
+            assert text.startswith("A special magic number is hidden within the following text.")
+            asked.append(key)
+        assert sorted(asked) == sorted(pairs)
+        assert (split.text, split.references) == split.questions[0]
+    assert ruler.questions_per_sample(name, True) == 4 and ruler.questions_per_sample(name, False) == 1
+    assert ruler.questions_per_sample("niah_multivalue", True) == ruler.questions_per_sample("vt", True) == 1
+
+
+def test_one_key_at_a_time_run_records_each_question_and_resumes(tmp_path, one_thread):
+    overrides = ["model=tiny-random", "progress=false", "task=ruler", "task.lengths=[1024]", "task.samples=2",
+                 "task.tasks=[niah_multikey_1,niah_single_1]", "task.query_aware=false", "task.one_key_at_a_time=true",
+                 "methods=[full,{name: snapkv, budget: 256}]"]
+    cfg = compose(*overrides)
+    execute(cfg, tmp_path, overrides)
+    for tag in ("full", "snapkv_c256_w32_k7_maxpool_expand"):
+        rows = [json.loads(line) for line in (tmp_path / tag / "ruler_samples.jsonl").read_text().splitlines()]
+        keyed = sorted((r["task"], r["index"], r["question_index"]) for r in rows)
+        assert keyed == sorted([("niah_multikey_1", i, q) for i in range(2) for q in range(4)] + [("niah_single_1", i, 0) for i in range(2)])
+        for r in rows:
+            assert r["one_key_at_a_time"] is True and r["question_kept"] == 1.0 and len(r["references"]) == 1
+            # one context per sample: every question of a sample starts at the same compressed context
+            same = {x["question_start"] for x in rows if (x["task"], x["index"]) == (r["task"], r["index"])}
+            assert same == {r["question_start"]}
+        mk = [r for r in rows if r["task"] == "niah_multikey_1" and r["index"] == 0]
+        assert len({tuple(r["references"]) for r in mk}) == 4
+        summary = json.loads((tmp_path / tag / "results.json").read_text())["summary"]
+        assert summary["one_key_at_a_time"] is True and summary["samples"] == 10
+    before = (tmp_path / "full" / "ruler_samples.jsonl").read_text()
+    execute(cfg, tmp_path, overrides)
+    assert (tmp_path / "full" / "ruler_samples.jsonl").read_text() == before
