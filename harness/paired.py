@@ -34,7 +34,8 @@ PAIRED_TASKS = (*LONGBENCH_TASKS, "needle")
 # the needle memory cap (it decides which cells run out of memory, not what a finished cell scores) and
 # query_aware, which is compared as the protocol (absent = true).
 IGNORED_TASK_KEYS = ("shard", "log_prompts", "data_dir", "memory_cap_gb", "query_aware",
-                     "prompt_style_by_chat_format")  # needle: how the default prompt_style is chosen (it is compared)
+                     "prompt_style_by_chat_format",  # needle: how the default prompt_style is chosen (it is compared)
+                     "batch_size")  # needle cells batched together: the same answers
 IGNORED_MODEL_KEYS = ("device_map",)
 AVERAGE = "average"  # the `task` of the LongBench average row
 NEEDLE = "needle"    # the `task` of the needle mean row

@@ -56,6 +56,7 @@ NON_RESULT_KEYS = (
     "task.prompt_style_by_chat_format",  # needle: how the default prompt_style is chosen; the resolved style is compared
     "task.qa_data_dir",  # RULER qa: where the dev files are read from (as task.data_dir for LongBench)
     "decode_together",  # batched or one-by-one decoding of a methods list: the same tokens (records say `decoded_with`)
+    "task.batch_size",  # needle cells of one length batched: the same answers (records say `items_batched`)
 )
 SESSION_ID = uuid.uuid4().hex  # one per process: tells this session's provenance from earlier ones
 # Provenance fields that, when they change between the sessions of one resumed run, may change results.

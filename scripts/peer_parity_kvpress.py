@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 
 import kvpress
-from transformers import AutoModelForCausalLM, DynamicCache
+from kvpress.presses.base_press import BasePress
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 log = logging.getLogger("peer_parity")
 
@@ -57,6 +58,29 @@ def build_press(spec: dict, compression_ratio: float):
     if "press" in spec:
         return cls(press=build_press(spec["press"], compression_ratio), **kwargs)
     return cls(compression_ratio=compression_ratio, **kwargs)
+
+
+def runs_alone(spec: dict) -> bool:
+    """A press whose own context manager does more than hook the prefill (KVzipPress replays the context after
+    it, then masks what it prunes) cannot join the shared prefill: it runs alone, as shipped."""
+    return getattr(kvpress, spec["class"]).__call__ is not BasePress.__call__
+
+
+def kvzip_ids(folder: str) -> dict:
+    """The ids KVzipPress builds its replay from, derived as it derives them (kvzip_press.py: the tokenizer it
+    loads from the model's name_or_path; the chat template split around a dummy user message)."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    prefix, suffix = "", "\n"
+    if tokenizer.chat_template is not None:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=False)
+        before, suffix = text.split(separator)
+        prefix = before.split(dummy)[0]
+    return {"prefix": encode(prefix), "suffix": encode(suffix), "first": encode("\n\nRepeat the previous context exactly."),
+            "later": encode("\n\nRepeat the part of the previous context exactly, starting with")}
 
 
 def match_rows(full: torch.Tensor, kept: torch.Tensor) -> list[torch.Tensor]:
@@ -80,10 +104,11 @@ class Recorder:
     """Wraps one press's forward_hook and records, per layer it compressed: the kept positions per KV
     head, the compressed keys/values it left in the cache, and its masked entries (masked presses)."""
 
-    def __init__(self, name: str, ratio: float, press):
+    def __init__(self, name: str, ratio: float, press, alone: bool = False):
         self.name, self.ratio, self.press = name, ratio, press
         self.original = press.forward_hook
-        press.forward_hook = self.hook  # what press(model) registers, and what the shared driver calls
+        if not alone:  # a press that runs alone compresses after its prefill: see collect_masks
+            press.forward_hook = self.hook  # what press(model) registers, and what the shared driver calls
         self.kept: dict[int, list[torch.Tensor]] = {}
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.masked: dict[int, tuple] = {}
@@ -110,6 +135,22 @@ class Recorder:
         self.kept[idx] = positions
         self.layers[idx] = (keys, values)
         return result
+
+    def collect_masks(self, model, layers: list[int], length: int) -> None:
+        """A press that runs alone and masks once its prefill is over (KVzipPress: `masked_key_indices` on each
+        attention module when its context manager exits, the cache left whole): per hooked layer, the kept
+        positions are the complement of the masked entries of each KV head."""
+        heads = model.config.num_key_value_heads
+        for idx in layers:
+            module = attention_of(model, idx)
+            masked = getattr(module, "masked_key_indices", None)
+            module.masked_key_indices = None
+            if masked is None:
+                continue
+            _, head_of, seq_of = masked
+            self.kept[idx] = [torch.tensor(sorted(set(range(length)) - set(seq_of[head_of == h].tolist())), dtype=torch.int64)
+                              for h in range(heads)]
+            self.masked[idx] = masked
 
 
 def describe(exc: BaseException) -> str:
@@ -229,13 +270,18 @@ def run_group(model, ours: dict, key: str, protocol: str, names: list[str], rati
     shipped = variant == "kvpress_shipped"
     layers = compressible_layers(model, shipped)
     specs = [(name, r) for name in names for r in ratios]
+    alone = [(n, r) for n, r in specs if runs_alone(ours["pairs"][n]["kvpress"])]
+    if variant == "kvpress_hooks":  # the check of the shared prefill: the presses that run alone ran so already
+        specs = [s for s in specs if s not in alone]
+    shared_specs = [s for s in specs if s not in alone] if variant == "kvpress" else []
 
     def new_recorder(name, r):
-        return Recorder(name, r, build_press(ours["pairs"][name]["kvpress"], ours["kvpress_ratio"][str(r)]))
+        spec = ours["pairs"][name]["kvpress"]
+        return Recorder(name, r, build_press(spec, ours["kvpress_ratio"][str(r)]), alone=runs_alone(spec))
 
     start = time.perf_counter()
-    if variant == "kvpress":  # the shared prefill
-        recorders = [new_recorder(n, r) for n, r in specs]
+    if shared_specs:  # the shared prefill
+        recorders = [new_recorder(n, r) for n, r in shared_specs]
         shared, logits = shared_prefill(model, recorders, ids[:, :end], layers)
         for rec in recorders:
             error = None
@@ -247,23 +293,28 @@ def run_group(model, ours: dict, key: str, protocol: str, names: list[str], rati
                     error = describe(exc)
             out["runs"][f"{key}|{protocol}|{rec.name}|{rec.ratio}|{variant}"] = record_of(rec, tokens, layers, error)
             rec.layers.clear()
-    else:  # each press as shipped: its own context manager around its own prefill
-        for name, r in specs:
-            rec = new_recorder(name, r)
-            cache, error, tokens = DynamicCache(), None, None
+    for name, r in (s for s in specs if s not in shared_specs):  # each press as shipped: its own context manager
+        rec = new_recorder(name, r)
+        cache, error, tokens = DynamicCache(), None, None
+        try:
+            with rec.press(model):
+                logits = model(input_ids=ids[:, :end], past_key_values=cache, logits_to_keep=1).logits[0, -1]
+            if (name, r) in alone:
+                short = [i for i in layers if cache.layers[i].keys.shape[2] != end]
+                if short:
+                    raise RuntimeError(f"layers {short} were shortened after the prefill: kept positions not recoverable")
+                rec.collect_masks(model, layers, end)
+        except Exception as exc:  # noqa: BLE001
+            rec.error = describe(exc)
+        if rec.error is None:
             try:
-                with rec.press(model):
-                    logits = model(input_ids=ids[:, :end], past_key_values=cache, logits_to_keep=1).logits[0, -1]
+                tokens = decode(model, cache, ids, end, logits, n_new, eos, rec.masked)
             except Exception as exc:  # noqa: BLE001
-                rec.error = describe(exc)
-            if rec.error is None:
-                try:
-                    tokens = decode(model, cache, ids, end, logits, n_new, eos, rec.masked)
-                except Exception as exc:  # noqa: BLE001
-                    error = describe(exc)
-            out["runs"][f"{key}|{protocol}|{name}|{r}|{variant}"] = record_of(rec, tokens, layers, error)
-            del cache
-    log.info("kvpress %s %s %s: %d runs in %.1f s", variant, key, protocol, len(specs), time.perf_counter() - start)
+                error = describe(exc)
+        out["runs"][f"{key}|{protocol}|{name}|{r}|{variant}"] = record_of(rec, tokens, layers, error)
+        del cache
+    if specs:
+        log.info("kvpress %s %s %s: %d runs in %.1f s", variant, key, protocol, len(specs), time.perf_counter() - start)
 
 
 def main(argv=None) -> int:
@@ -277,7 +328,8 @@ def main(argv=None) -> int:
     torch.set_grad_enabled(False)
     ours = torch.load(args.work / "cells.pt", weights_only=True)
     out = {"kvpress_version": kvpress.__version__ if hasattr(kvpress, "__version__") else _version("kvpress"),
-           "transformers_version": _version("transformers"), "torch_version": str(torch.__version__), "runs": {}, "hooked": {}}
+           "transformers_version": _version("transformers"), "torch_version": str(torch.__version__), "runs": {}, "hooked": {},
+           "kvzip_tokenizer": {}}
     ratios = [float(r) for r in ours["ratios"]]
     names = [n for n, p in ours["pairs"].items() if "status" not in p]
     hooks_cells = args.hooks_cells
@@ -293,6 +345,14 @@ def main(argv=None) -> int:
                 continue
             attn = "eager" if eager else "sdpa"
             model = AutoModelForCausalLM.from_pretrained(info["folder"], dtype=torch.float32, attn_implementation=attn).eval()
+            if "kvzip_ids" in info and "kvzip" in group:  # KVzipPress loads its tokenizer from model.config.name_or_path
+                try:
+                    theirs = kvzip_ids(model.config.name_or_path)
+                    same = {k: theirs[k] == v for k, v in info["kvzip_ids"].items()}
+                    out["kvzip_tokenizer"][model_name] = {"folder": model.config.name_or_path, "same": same, "theirs": theirs}
+                except Exception as exc:  # noqa: BLE001  (the press itself then fails with its own error)
+                    out["kvzip_tokenizer"][model_name] = {"folder": model.config.name_or_path, "error": describe(exc)}
+                log.info("kvzip tokenizer %s: %s", model_name, out["kvzip_tokenizer"][model_name])
             gemma = "gemma3" in model.config.model_type
             variants = ["kvpress", "kvpress_shipped"] if gemma else ["kvpress"]
             out["hooked"][model_name] = {v: compressible_layers(model, v == "kvpress_shipped") for v in variants}

@@ -30,8 +30,9 @@ sys.path.insert(0, str(REPO))
 from harness.app import compose_settings  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
 from harness.methods import METHODS, build_method  # noqa: E402
+from harness.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, chat_prefix_and_suffix  # noqa: E402
 from harness.models import load_model  # noqa: E402
-from harness.tasks.common import Prompt, generate_settings  # noqa: E402
+from harness.tasks.common import Outcome, Prompt, generate_settings  # noqa: E402
 from harness.tasks.needle import haystack_files  # noqa: E402
 from harness.tasks.needle_prompt import build_cell, prompt_parts  # noqa: E402
 
@@ -57,6 +58,13 @@ class Pair:
     eager: bool = False
     note: str = ""
 
+
+KVZIP_NOTE = ("the chat template's prefix that the replay skips: kvpress skips as many leading positions as the "
+              "template's prefix for a bare user message has tokens (24 on SmolLM2, its default system prompt) whatever "
+              "the prompt holds; ours skips them only when the prompt starts with those ids, and our needle prompt has "
+              "its own system message, so ours replays from position 0 (a named difference: no kvpress-rule option in "
+              "ours). kvpress masks the pruned keys (a fake key per head at decoding), ours removes them. Both refuse "
+              "Gemma 3 (sliding-window layers)")
 
 # our registry name -> the pair. One line per method.
 PAIRS: dict[str, Pair] = {
@@ -90,6 +98,21 @@ PAIRS: dict[str, Pair] = {
                     {"class": "ChunkKVPress", "kwargs": {"chunk_length": 20}, "press": SNAPKV_PRESS}),
     "adakv": Pair({**SNAPKV_SCORER, "safeguard": 0.2, "allocation": "kvpress"},
                   {"class": "AdaKVPress", "kwargs": {"alpha_safeguard": 0.2}, "press": SNAPKV_PRESS}),
+    # KVzipPress scores after the prefill (its own context manager replays the context), so the kvpress side runs it
+    # alone, as shipped; it builds the replay prompts with the tokenizer it loads from the model folder, which holds
+    # the harness's tokenizer files (the same ids as ours: checked by peer_parity_kvpress.py before it runs).
+    "kvzip": Pair({"n_sink": 4, "chunk_size": 2048, "layerwise": False, "kvzip_plus_normalization": False},
+                  {"class": "KVzipPress", "kwargs": {"n_sink": 4, "chunk_size": 2048, "layerwise": False,
+                                                     "kvzip_plus_normalization": False}},
+                  note=KVZIP_NOTE),
+}
+
+# Our registered methods that have no kvpress 0.5.5 counterpart: named in the report, not run.
+NO_COUNTERPART = {
+    "cake": "kvpress 0.5.5 has no CAKE press (layer budgets from attention entropy and variance)",
+    "h2o": "kvpress 0.5.5 has no H2O press (heavy hitters + recent window); its ObservedAttentionPress is compared as "
+           "`observed_attention`",
+    "full": "no compression",
 }
 
 # The needle prompts: SmolLM2 with its chat template, Gemma 3 270M (a base model) with the completion prompt.
@@ -186,6 +209,11 @@ def prepare_model(model: str, cells: list[Cell], plan: Plan, out: dict) -> dict:
     loaded = load_model(cfg.model)
     out["models"][model] = {"folder": loaded.info.get("location"), "eos_token_ids": list(loaded.eos_token_ids),
                             "num_layers": loaded.model.config.num_hidden_layers}
+    if "kvzip" in plan.methods:  # our replay ids: the kvpress side checks that KVzipPress's tokenizer gives the same
+        prefix, suffix = chat_prefix_and_suffix(loaded.tokenizer)
+        encode = lambda text: loaded.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        out["models"][model]["kvzip_ids"] = {"prefix": prefix, "suffix": suffix, "first": encode(FIRST_PROMPT),
+                                             "later": encode(LATER_PROMPT)}
     parts = prompt_parts(cfg.task, loaded)
     hay = haystack_ids(cfg.task, loaded.tokenizer)
     for cell in cells:
@@ -215,8 +243,11 @@ def run_model(model: str, cells: list[Cell], plan: Plan, groups: dict, out: dict
                 protocol = "query_aware" if query_aware else "query_agnostic"
                 runs = [(f"{name}@{ratio}", method) for (name, ratio), (tag, method) in settings.items()]
                 start = time.perf_counter()
-                outcomes = generate_settings(loaded, runs, prompt, query_aware=query_aware,
-                                             max_new_tokens=plan.max_new_tokens, eos_token_ids=loaded.eos_token_ids)
+                try:
+                    outcomes = generate_settings(loaded, runs, prompt, query_aware=query_aware,
+                                                 max_new_tokens=plan.max_new_tokens, eos_token_ids=loaded.eos_token_ids)
+                except HarnessError as exc:  # a method that refuses this model (kvzip: sliding-window layers)
+                    outcomes = {run_key: Outcome(None, {}, exc) for run_key, _ in runs}
                 log.info("ours %s %s %s: %d settings in %.1f s", key, protocol, attn, len(runs), time.perf_counter() - start)
                 for run_key, outcome in outcomes.items():
                     name, ratio = run_key.split("@")

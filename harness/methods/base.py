@@ -89,6 +89,8 @@ class CompressionMethod:
     across_layers: ClassVar[bool] = False
     # False: the method cannot run on models with sliding-window layers (refused before the prefill).
     supports_sliding_layers: ClassVar[bool] = True
+    # False: the method scores one sequence at a time (KVzip, as kvpress): batched items (task.batch_size) refused.
+    supports_batches: ClassVar[bool] = True
 
     @property
     def compresses(self) -> bool:

@@ -92,6 +92,7 @@ class KVzip(CompressionMethod):
     EXACT_BUDGET = False  # kept counts vary by head or layer (tests/methods/test_baselines.py)
     across_layers = True
     supports_sliding_layers = False
+    supports_batches = False  # one sequence at a time (kvpress: batch 1)
 
     budget: int | None = 1024
     ratio: float | None = None

@@ -160,10 +160,10 @@ class Outcome:
     kept: dict = field(default_factory=dict)  # layer -> kept prompt positions (B, H, n), None: layer kept whole
 
 
-def retention(records: dict, lo: int, hi: int) -> tuple[float | None, list]:
+def retention(records: dict, lo: int, hi: int, row: int | None = None) -> tuple[float | None, list]:
     """Fraction of positions [lo, hi) still cached after compression: per layer (mean over batch and
-    heads; None for sliding-window layers, which the model bounds itself and are never compressed)
-    and its mean over the other layers."""
+    heads, or over batch row `row`'s heads; None for sliding-window layers, which the model bounds itself
+    and are never compressed) and its mean over the other layers."""
     by_layer: list = []
     for idx in sorted(records):
         rec = records[idx]
@@ -172,19 +172,22 @@ def retention(records: dict, lo: int, hi: int) -> tuple[float | None, list]:
         elif rec.positions is None or hi <= lo:
             by_layer.append(1.0)
         else:
-            inside = ((rec.positions >= lo) & (rec.positions < hi)).sum(dim=-1).float() / (hi - lo)
+            positions = rec.positions if row is None else rec.positions[row:row + 1]
+            inside = ((positions >= lo) & (positions < hi)).sum(dim=-1).float() / (hi - lo)
             by_layer.append(round(float(inside.mean()), 4))
     values = [v for v in by_layer if v is not None]
     return (round(sum(values) / len(values), 4) if values else None), by_layer
 
 
-def compression_diagnostics(state, method, prompt: Prompt, end: int, cache) -> dict:
+def compression_diagnostics(state, method, prompt: Prompt, end: int, cache, row: int | None = None, rows: int = 1) -> dict:
     """What a setting kept of one item: layers compressed, the resolved budget, the retention of every
-    span of the prompt (spans after `end` were prefilled after compression: kept by construction)."""
+    span of the prompt (spans after `end` were prefilled after compression: kept by construction).
+    Batched items: the item is batch row `row` of `rows` (its retention and its share of the cache bytes)."""
     records = state.layers if state is not None else {}
     out: dict = {}
     if records:
-        out["kv_positions_after_prefill"] = [list(records[i].after) for i in sorted(records)]
+        out["kv_positions_after_prefill"] = [list(records[i].after) if row is None else _row_after(records[i], row)
+                                             for i in sorted(records)]
         out["compressed_layers"] = [i for i in sorted(records) if records[i].compressed]
     if getattr(method, "compresses", False):
         out["budget_tokens"] = getattr(method, "budget", None)
@@ -199,11 +202,33 @@ def compression_diagnostics(state, method, prompt: Prompt, end: int, cache) -> d
             by_layer = [None if records[i].reason == "sliding_window" else 1.0 for i in sorted(records)]
             out[f"{name}_kept"], out[f"{name}_kept_by_layer"] = 1.0, by_layer
         else:
-            out[f"{name}_kept"], out[f"{name}_kept_by_layer"] = retention(records, lo, min(hi, end))
-    out.update({k: v for k, v in kv_stats(cache).items() if k == "cache_bytes"})
+            out[f"{name}_kept"], out[f"{name}_kept_by_layer"] = retention(records, lo, min(hi, end), row)
+    if cache is not None:
+        out["cache_bytes"] = kv_stats(cache)["cache_bytes"] if row is None else row_cache_bytes(cache, row)
     if state is not None:
         out.update(state.extra)  # what the method adds (KVzip: its reconstruction forwards)
     return out
+
+
+def _row_after(record, row: int) -> list[int]:
+    """(heads, entries) batch row `row` keeps in one layer: its longest head (rows of a per-head-budget layer
+    are padded to the batch's longest, positions -1)."""
+    if record.positions is None:
+        return list(record.after)
+    return [int(record.after[0]), int((record.positions[row] >= 0).sum(dim=-1).max())]
+
+
+def row_cache_bytes(cache, row: int) -> int:
+    """The bytes batch row `row` of a cache holds: its share of every layer, a ragged layer's padding excluded
+    (a batch of one measures the tensors themselves, `kv_stats`)."""
+    total = 0
+    for layer in cache.layers:
+        rows, length = int(layer.keys.shape[0]), int(layer.keys.shape[2])
+        nbytes = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        owner = getattr(layer, "_kvharness_owner", None)  # ragged (harness/methods/ragged.py): -1 marks padding
+        share = int((owner[row] >= 0).sum()) / max(length, 1) if owner is not None else 1.0
+        total += round(nbytes / rows * share)
+    return total
 
 
 _WARNED_SLIDING: set[str] = set()
@@ -240,7 +265,7 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], prompt: Prompt, **options) -> dict[str, Outcome]:
+def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], prompt: Prompt | list[Prompt], **options):
     """Greedy generation of one prompt under every (tag, method), from one prefill when memory allows.
 
     A shared prefill holds, before the first decode, every setting's compressed cache (plus the full
@@ -248,17 +273,26 @@ def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], pr
     each with its own prefill, and so on down to one setting at a time, which is exactly that
     setting's separate run: a long item fails for a setting only where its own run fails. Every
     outcome records `shared_with`: the tags whose prefill it shared (itself alone: a separate run).
+
+    Batched items (`prompt` a list, `batch_refusal` says which lists can be): the prompts are one batch,
+    prefilled together, each row compressed on its own (every method scores and selects per batch row),
+    decoded together; returns one {tag: Outcome} per prompt, each equal to that prompt's own run.
     """
-    pending, outcomes = [list(methods)], {}
+    prompts = list(prompt) if isinstance(prompt, (list, tuple)) else [prompt]
+    why = batch_refusal(prompts, options.get("keep_answers", False))
+    if why is not None:
+        raise HarnessError(f"these items cannot be batched: {why}")
+    pending, outcomes = [list(methods)], [{} for _ in prompts]
     while pending:
         group = pending.pop(0)
         try:
-            out = _generate_group(loaded, group, prompt, **options)
+            out = _generate_group(loaded, group, prompts, **options)
         except ITEM_ERRORS as exc:
             if not is_out_of_memory(exc):
                 raise
             if len(group) == 1:  # its own run fails too: that setting's item fails, the others stand
-                outcomes[group[0][0]] = Outcome(None, {"shared_with": [group[0][0]]}, exc)
+                for row in outcomes:
+                    row[group[0][0]] = Outcome(None, {"shared_with": [group[0][0]]}, exc)
                 continue
             out = None
         if out is None:  # outside the except block: the failed prefill's frames and tensors are released
@@ -269,47 +303,77 @@ def generate_settings(loaded: LoadedModel, methods: list[tuple[str, object]], pr
             pending[:0] = [group[:half], group[half:]]
             continue
         tags = [tag for tag, _ in group]
-        for outcome in out.values():
-            outcome.diagnostics["shared_with"] = tags
-        outcomes.update(out)
-    return outcomes
+        for row, got in zip(outcomes, out):
+            for outcome in got.values():
+                outcome.diagnostics["shared_with"] = tags
+            row.update(got)
+    return outcomes if isinstance(prompt, (list, tuple)) else outcomes[0]
 
 
-def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prompt: Prompt, *,
+def _row_positions(positions, row: int, rows: int):
+    """Batch row `row`'s kept positions (1, H, n): a per-head-budget layer's padding (-1) past its longest head cut."""
+    if positions is None or rows == 1:
+        return positions
+    mine = positions[row:row + 1]
+    return mine[..., :int((mine >= 0).sum(dim=-1).max())]
+
+
+def batch_refusal(prompts: list[Prompt], keep_answers: bool = False) -> str | None:
+    """Why these prompts cannot be one batch (one line), or None: a batch needs prompts of one length whose
+    compressed parts end at the same token and whose questions (the tokens after the context) are the same,
+    e.g. the needle cells of one length. Multi-turn conversations (`keep_answers`) go one item at a time."""
+    if len(prompts) < 2:
+        return None if prompts else "no prompt"
+    first = prompts[0]
+    if keep_answers:
+        return "task.keep_answers=true (multi-turn) asks one item at a time"
+    for p in prompts[1:]:
+        if len(p.ids) != len(first.ids) or p.question_start != first.question_start:
+            return f"prompts of {len(first.ids)} and {len(p.ids)} tokens (or contexts of different lengths)"
+        if [list(q.ids) for q in p.questions] != [list(q.ids) for q in first.questions] or (
+                not first.questions and first.question_start is not None and p.ids[first.question_start:] != first.ids[first.question_start:]):
+            return "the prompts ask different questions (the tokens after the context differ)"
+    return None
+
+
+def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prompts: list[Prompt], *,
                     query_aware: bool = True, chunk_size: int | None = None, keep_answers: bool = False,
-                    decode_together: bool = True, **decode) -> dict[str, Outcome]:
-    """Greedy generation of one prompt under every (tag, method), from ONE prefill of its compressed part.
+                    decode_together: bool = True, **decode) -> list[dict[str, Outcome]]:
+    """Greedy generation of a batch of prompts (usually one) under every (tag, method), from ONE prefill of
+    their compressed part; one {tag: Outcome} per prompt.
 
     The compressed part (the whole prompt, or the context alone when `query_aware` is false) is
     prefilled once, in chunks of `chunk_size` if given; right after each layer's attention in its
     last forward, every method builds its compressed layer from the same K/V and the statistics
-    captured during that prefill (engine.py). Then `_answer` asks every setting the question: the
-    rest of the prompt prefilled on top of its own cache (query-agnostic), then decoding. A method
-    that does not compress (`full`) answers from the prefill's own cache. A runtime or out-of-memory
-    error in one setting's answer fails that setting's item only. Every setting's tokens equal a
-    separate run's.
+    captured during that prefill (engine.py), each batch row on its own. Then `_answer` asks every
+    setting the question: the rest of the prompt prefilled on top of its own cache (query-agnostic),
+    then decoding. A method that does not compress (`full`) answers from the prefill's own cache. A
+    runtime or out-of-memory error in one setting's answer fails that setting's item only. Every
+    setting's tokens equal a separate run's.
 
     A prompt of K questions (`Prompt.questions`) gives each setting a `QuestionOutcomes`. Query-agnostic:
     the context is prefilled and compressed once; each question is asked on a rollback copy of every
     setting's compressed cache (`rollback_copy`), and every (setting, question) decodes in one batch, so each
     answer equals that question asked alone on the same compressed cache (the last question gets the cache
-    itself: nothing follows it). `keep_answers` (multi-turn): no copies; question i + 1 follows question i and its answer
+    itself: nothing follows it). `keep_answers` (multi-turn, one prompt): no copies; question i + 1 follows question i and its answer
     in the cache (the answer's last token, which decoding never feeds back, opens the next turn), at true
     positions. Query-aware: each question is compressed with the context, one prefill per question,
     shared by every setting.
     """
-    from harness.decoding import _sync, prefill
+    from harness.decoding import Generation, _sync, prefill
     from harness.methods.engine import compression, new_cache
 
     model, device = loaded.model, loaded.device
-    asked = prompt.asked()
-    if not query_aware and prompt.question_start is not None:
-        passes = [(int(prompt.question_start), asked)]  # one context prefill, every question on top
+    rows = len(prompts)
+    asked = [p.asked() for p in prompts]  # per row, its single-question prompts (the same question tokens in every row)
+    first = prompts[0]
+    if not query_aware and first.question_start is not None:
+        passes = [(int(first.question_start), list(range(len(asked[0]))))]  # one context prefill, every question on top
     else:
-        passes = [(len(p.ids), [p]) for p in asked]  # each question inside its compressed prompt
-    answers: dict[str, list[Outcome]] = {tag: [] for tag, _ in methods}
-    for end, questions in passes:
-        ids = torch.tensor([questions[0].ids[:end]], dtype=torch.long, device=device)
+        passes = [(len(q.ids), [n]) for n, q in enumerate(asked[0])]  # each question inside its compressed prompt
+    answers: list[dict[str, list[Outcome]]] = [{tag: [] for tag, _ in methods} for _ in prompts]
+    for end, numbers_here in passes:
+        ids = torch.tensor([row[numbers_here[0]].ids[:end] for row in asked], dtype=torch.long, device=device)
         resolved = [(tag, m.resolve(end)) for tag, m in methods]
         keep_full = any(not m.compresses for _, m in resolved)
         # Compressing methods first (the order of the separate runs; every cache is handed out before any answer).
@@ -326,25 +390,28 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
             bases = {tag: session.cache_for(tag, cache) if m.compresses else cache for tag, m in order}
             del cache
             _warn_if_nothing_compressible(loaded, session)
-            kept = {tag: {i: r.positions for i, r in session.states[tag].layers.items()} if tag in session.states else {}
-                    for tag, _ in order}
+            kept = {tag: [{i: _row_positions(r.positions, b, rows) for i, r in session.states[tag].layers.items()}
+                          if tag in session.states else {} for b in range(rows)] for tag, _ in order}
             talks: dict[str, Turn] = {}  # keep_answers: each setting's conversation so far
             # Independent questions are asked all at once (every setting x question decodes in one batch); multi-turn
             # (keep_answers) asks them in order, each after the previous answers.
-            rounds = [[i] for i in range(len(questions))] if keep_answers else [list(range(len(questions)))]
+            rounds = [[n] for n in numbers_here] if keep_answers else [numbers_here]
             for numbers in rounds:
                 turns, diagnostics, results = {}, {}, {}
                 for number in numbers:
-                    asking, last = questions[number], number == len(questions) - 1
+                    asking, last = asked[0][number], number == numbers_here[-1]
                     for tag, method in order:
                         key = (tag, number)
-                        if keep_answers and answers[tag] and answers[tag][-1].error is not None:
-                            results[key] = Outcome(None, {}, answers[tag][-1].error)  # its conversation broke
+                        if keep_answers and answers[0][tag] and answers[0][tag][-1].error is not None:
+                            for b in range(rows):
+                                results[(*key, b)] = Outcome(None, {}, answers[0][tag][-1].error)  # its conversation broke
                             continue
                         try:
-                            diagnostics[key] = compression_diagnostics(session.states.get(tag), method, asking, end, bases[tag])
+                            diagnostics[key] = [compression_diagnostics(session.states.get(tag), method, asked[b][number], end, bases[tag],
+                                                                        row=None if rows == 1 else b, rows=rows) for b in range(rows)]
                         except ITEM_ERRORS as exc:
-                            results[key] = Outcome(None, {}, exc)
+                            for b in range(rows):
+                                results[(*key, b)] = Outcome(None, {}, exc)
                             continue
                         before = talks.get(tag)
                         if keep_answers and before is not None:
@@ -352,30 +419,38 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
                         else:  # the cache itself where nothing is asked after this question, else a rollback copy
                             base = bases[tag] if last or keep_answers else rollback_copy(bases[tag])
                             turns[key] = Turn(base, asking.ids[end:], end)
-                if len(questions) - 1 in numbers:
+                if numbers_here[-1] in numbers:
                     bases.clear()  # the last answers own their caches: each is freed with its turn
                 generations = _answer(loaded, turns, logits, together=decode_together, **decode)
-                for key, diag in diagnostics.items():
+                for key, per_row in diagnostics.items():
                     gen = generations[key]
-                    if isinstance(gen, BaseException):
-                        results[key] = Outcome(None, {}, gen)
-                        continue
-                    gen.prefill_seconds += shared_seconds
-                    diag["shared_prefill_seconds"] = round(shared_seconds, 4)
-                    diag["decoded_with"] = gen.decoded_with
-                    if prompt.questions:  # where this question's first token sits (after the earlier turns: multi-turn)
-                        asked_ids = questions[key[1]].ids
-                        diag["question_position"] = turns[key].start + len(turns[key].ids) - (len(asked_ids) - end)
-                    results[key] = Outcome(gen, diag, kept=kept[key[0]])
-                    turns[key].answer = gen.tokens[0]
+                    for b, diag in enumerate(per_row):
+                        if isinstance(gen, BaseException):
+                            results[(*key, b)] = Outcome(None, {}, gen)
+                            continue
+                        mine = gen if rows == 1 else Generation(
+                            tokens=[gen.tokens[b]], prompt_length=gen.prompt_length, prefill_seconds=gen.prefill_seconds,
+                            step_seconds=gen.step_seconds, stopped_by=[gen.stopped_by[b]], decoded_with=gen.decoded_with)
+                        mine.prefill_seconds += shared_seconds
+                        diag["shared_prefill_seconds"] = round(shared_seconds, 4)
+                        diag["decoded_with"] = mine.decoded_with
+                        if rows > 1:
+                            diag["items_batched"] = rows
+                        if first.questions:  # where this question's first token sits (after the earlier turns: multi-turn)
+                            asked_ids = asked[0][key[1]].ids
+                            diag["question_position"] = turns[key].start + len(turns[key].ids) - (len(asked_ids) - end)
+                        results[(*key, b)] = Outcome(mine, diag, kept=kept[key[0]][b])
+                    if not isinstance(gen, BaseException):
+                        turns[key].answer = gen.tokens[0]
                 for number in numbers:  # in question order, each setting's answers
                     for tag, _ in order:
-                        answers[tag].append(results[(tag, number)])
+                        for b in range(rows):
+                            answers[b][tag].append(results[(tag, number, b)])
                 talks = {tag: turns[(tag, n)] for tag, n in turns} if keep_answers else {}
                 del turns, generations
-    if not prompt.questions:
-        return {tag: outs[0] for tag, outs in answers.items()}
-    return {tag: QuestionOutcomes(None, {}, answers=outs) for tag, outs in answers.items()}
+    if not first.questions:
+        return [{tag: outs[0] for tag, outs in row.items()} for row in answers]
+    return [{tag: QuestionOutcomes(None, {}, answers=outs) for tag, outs in row.items()} for row in answers]
 
 
 @dataclass
@@ -447,7 +522,9 @@ def _answer(loaded: LoadedModel, turns: dict, logits: torch.Tensor, *, together:
             first, seconds = logits, 0.0
             if turn.ids:
                 start = time.perf_counter()
-                first = prefill(model, turn.cache, torch.tensor([turn.ids], dtype=torch.long, device=device), start=turn.start)
+                rows = int(logits.shape[0])  # batched items: every row asks the same question
+                ids = torch.tensor([turn.ids], dtype=torch.long, device=device).expand(rows, -1)
+                first = prefill(model, turn.cache, ids, start=turn.start)
                 _sync(model)
                 seconds = time.perf_counter() - start
             length = turn.start + len(turn.ids)
@@ -527,7 +604,8 @@ def _failure(desc: str, key, exc: BaseException, tb: str) -> dict:
 
 
 def run_shared_items(items: Iterable, *, logs: dict[str, JsonlLog], key: Callable, work: Callable, desc: str,
-                     failures_paths: dict | None = None, progress: bool = True) -> dict[str, ItemResult]:
+                     failures_paths: dict | None = None, progress: bool = True, batch_size: int = 1,
+                     batch_key: Callable | None = None, work_batch: Callable | None = None) -> dict[str, ItemResult]:
     """Run every item for every setting (tag) whose log does not hold it yet, one `work` call per item.
 
     `work(item, tags)` gets the tags still missing that item and returns {tag: record, or the
@@ -536,6 +614,9 @@ def run_shared_items(items: Iterable, *, logs: dict[str, JsonlLog], key: Callabl
     happens, and the loop goes on; an error raised by `work` itself fails the item for every tag
     asked. Failed items are not in the logs, so the next run retries exactly them (and only for the
     settings that failed). A HarnessError (a user error) ends the run.
+
+    Batched items (`batch_size` > 1 with `work_batch(items, tags)`, which returns one such dict per item):
+    consecutive items with the same `batch_key` and the same missing tags go together, up to `batch_size`.
     """
     items = list(items)
     results = {tag: ItemResult(failures=[]) for tag in logs}
@@ -551,31 +632,42 @@ def run_shared_items(items: Iterable, *, logs: dict[str, JsonlLog], key: Callabl
     if done_before:
         log.info("%s: %d of %d item records already done, resuming", desc, done_before, len(items) * len(logs))
     paths = failures_paths or {}
-    bar = tqdm(todo, desc=desc, unit="item", disable=not progress, dynamic_ncols=True)
-    for item, missing in bar:
+    batches: list[list] = []
+    for item, missing in todo:
+        same = bool(batches) and batch_size > 1 and work_batch is not None and len(batches[-1]) < batch_size and (
+            batches[-1][0][1] == missing and (batch_key is None or batch_key(batches[-1][0][0]) == batch_key(item)))
+        if same:
+            batches[-1].append((item, missing))
+        else:
+            batches.append([(item, missing)])
+    bar = tqdm(total=len(todo), desc=desc, unit="item", disable=not progress, dynamic_ncols=True)
+    for batch in batches:
+        missing = batch[0][1]
         try:
-            out = work(item, missing)
+            outs = work_batch([it for it, _ in batch], missing) if len(batch) > 1 else [work(batch[0][0], missing)]
         except HarnessError:
             raise
         except ITEM_ERRORS as exc:
-            out = {tag: exc for tag in missing}
+            outs = [{tag: exc for tag in missing} for _ in batch]
             tb = traceback.format_exc(limit=-3)
         else:
             tb = None
         oom = False
-        for tag in missing:
-            record = out.get(tag)
-            if isinstance(record, BaseException):
-                failure = _failure(desc, key(item), record, tb or "".join(traceback.format_exception(record, limit=-3)))
-                log.warning("%s [%s]: item %s failed: %s", desc, tag, key(item), failure["error"])
-                results[tag].failures.append(failure)
-                oom = oom or failure["oom"]
-                if paths.get(tag) is not None:
-                    write_json(paths[tag], results[tag].failures)
-            elif record is not None:
-                logs[tag].append(record)
-                results[tag].done += 1
-        del out
+        for (item, _), out in zip(batch, outs):
+            for tag in missing:
+                record = out.get(tag)
+                if isinstance(record, BaseException):
+                    failure = _failure(desc, key(item), record, tb or "".join(traceback.format_exception(record, limit=-3)))
+                    log.warning("%s [%s]: item %s failed: %s", desc, tag, key(item), failure["error"])
+                    results[tag].failures.append(failure)
+                    oom = oom or failure["oom"]
+                    if paths.get(tag) is not None:
+                        write_json(paths[tag], results[tag].failures)
+                elif record is not None:
+                    logs[tag].append(record)
+                    results[tag].done += 1
+        bar.update(len(batch))
+        del outs
         if oom:  # outside the except block: the failed item's frames and tensors are already released
             gc.collect()
             if torch.cuda.is_available():

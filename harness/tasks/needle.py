@@ -38,6 +38,11 @@ def validate(task: DictConfig) -> None:
         require(int(n) > 0, f"task.lengths: {n} is not a positive token count")
     require(task.prompt_style in PROMPT_STYLES, f"task.prompt_style={task.prompt_style!r} is not one of {', '.join(PROMPT_STYLES)}")
     validate_needles(task)
+    batch = task.get("batch_size")
+    require(batch is None or (isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1),
+            f"task.batch_size={batch!r}: give a whole number >= 1 (cells of one length prefilled and decoded together)")
+    require(not (batch and batch > 1 and task.get("keep_answers", False)),
+            "task.batch_size > 1 with task.keep_answers=true: multi-turn conversations run one cell at a time; drop one of them")
     haystack_files(task)
 
 
@@ -58,6 +63,11 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     depths = [float(d) for d in task.depths]
     query_aware = bool(task.get("query_aware", True))
     needles, keep_answers = int(task.get("needles", 1)), bool(task.get("keep_answers", False))
+    batch_size = int(task.get("batch_size") or 1)
+    one_at_a_time = [s.tag for s in settings if not getattr(s.method, "supports_batches", True)]
+    require(batch_size == 1 or not one_at_a_time,
+            f"task.batch_size={batch_size}: {', '.join(one_at_a_time)} scores one sequence at a time; use task.batch_size=1 "
+            "or run those methods separately")
     chunk_size = cfg.model.get("prefill_chunk_size")
     longest = max(lengths) + int(task.max_new_tokens)
     if loaded.max_positions:
@@ -86,19 +96,28 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     decode = dict(max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens))
     stop_strings = list(getattr(loaded, "stop_strings", None) or [])
 
-    def work(cell, tags):
+    fixed = dict(protocol=protocol_name(query_aware), prompt_style=style)
+    if facts:
+        fixed["keep_answers"] = keep_answers
+    options = dict(query_aware=query_aware, keep_answers=keep_answers, chunk_size=chunk_size, stop_strings=stop_strings,
+                   decode_together=bool(cfg.get("decode_together", True)), **decode)
+
+    def cell_prompt(cell):
+        """The cell's prompt, and what its records need to say of it."""
         length, depth = cell
         if facts:
-            fixed = dict(protocol=protocol_name(query_aware), keep_answers=keep_answers, prompt_style=style)
-            return ask_needles(loaded, [(t, by_tag[t].method) for t in tags], haystack, facts, cell, logs, fixed,
-                               query_aware=query_aware, keep_answers=keep_answers, chunk_size=chunk_size,
-                               stop_strings=stop_strings, **decode)
+            built = build_needles_cell(haystack, facts, length, depth)
+            start = len(built.context)
+            return Prompt(built.context, spans={f"needle_{j}": span for j, span in enumerate(built.spans)},
+                          questions=[Question(suffix, {"question": (start, start + len(suffix))}) for suffix in built.suffixes]), built
         built = build_cell(haystack, parts, length, depth)
-        prompt = Prompt(built.ids, built.question_start,
-                        {"question": (built.question_start, len(built.ids)), "needle": (built.needle_start, built.needle_end)})
-        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], prompt, query_aware=query_aware,
-                                     chunk_size=chunk_size, max_new_tokens=int(task.max_new_tokens),
-                                     min_new_tokens=int(task.min_new_tokens), stop_strings=stop_strings, decode_together=bool(cfg.get("decode_together", True)))
+        return Prompt(built.ids, built.question_start,
+                      {"question": (built.question_start, len(built.ids)), "needle": (built.needle_start, built.needle_end)}), built
+
+    def cell_records(cell, built, outcomes) -> dict:
+        length, depth = cell
+        if facts:
+            return needles_records(loaded, outcomes, built, facts, cell, logs, fixed)
         out = {}
         for tag, o in outcomes.items():
             if o.error is not None:
@@ -106,11 +125,20 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
                 continue
             out[tag] = answer_record(loaded.tokenizer, o, task.answer, length=length, depth=depth, prompt_tokens=len(built.ids),
                                      needle_token_index=built.needle_start, needle_depth_actual=built.depth_actual,
-                                     question_start=built.question_start, protocol=protocol_name(query_aware), prompt_style=style)
+                                     question_start=built.question_start, **fixed)
         return out
 
+    def work_batch(batch_cells, tags) -> list[dict]:
+        """Cells of one length, prefilled and decoded together (task.batch_size; one cell: its own run)."""
+        built = [cell_prompt(cell) for cell in batch_cells]
+        prompts = [p for p, _ in built]
+        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], prompts if len(prompts) > 1 else prompts[0], **options)
+        outcomes = outcomes if len(prompts) > 1 else [outcomes]
+        return [cell_records(cell, b, o) for cell, (_, b), o in zip(batch_cells, built, outcomes)]
+
     cells = [(n, d) for n in lengths for d in depths]
-    outcome = run_shared_items(cells, logs=logs, key=lambda c: c, work=work, desc="needle cells",
+    outcome = run_shared_items(cells, logs=logs, key=lambda c: c, work=lambda cell, tags: work_batch([cell], tags)[0],
+                               desc="needle cells", batch_size=batch_size, batch_key=lambda c: c[0], work_batch=work_batch,
                                failures_paths={s.tag: s.run_dir.path / "failures.json" for s in settings}, progress=progress)
     from harness.plots import needle_heatmap
 
@@ -283,15 +311,11 @@ def build_needles_cell(haystack: list[int], facts: list[tuple[PromptParts, str]]
     return NeedlesCell(first.prefix + placed.ids, [list(p.suffix) for p, _ in facts], spans, depths, placed.depth_actual)
 
 
-def ask_needles(loaded, methods, haystack, facts, cell, logs, fixed: dict, **options) -> dict:
-    """Every question of one cell for every (tag, method): {tag: [its question records], or the error that
+def needles_records(loaded, outcomes, built: NeedlesCell, facts, cell, logs, fixed: dict) -> dict:
+    """Every question's record of one cell for every setting: {tag: [its question records], or the error that
     failed one of them (the others are appended to the tag's log here, so a rerun adds only the missing one)}."""
     length, depth = cell
-    built = build_needles_cell(haystack, facts, length, depth)
     start = len(built.context)
-    prompt = Prompt(built.context, spans={f"needle_{j}": span for j, span in enumerate(built.spans)},
-                    questions=[Question(suffix, {"question": (start, start + len(suffix))}) for suffix in built.suffixes])
-    outcomes = generate_settings(loaded, methods, prompt, **options)
     out = {}
     for tag, outcome in outcomes.items():
         records, error = [], None
