@@ -76,6 +76,7 @@ class Report:
         self.cells, self.pairs, self.models = {}, {}, {}
         self.ours, self.theirs = {}, {}
         self.meta = {"max_new_tokens": None, "ratios": set(), "kvpress": {}}
+        self.kvzip_tokenizer = {}  # model -> KVzipPress's tokenizer check (peer_parity_kvpress.py)
         for work in works:
             cells = load(work, "cells.pt")
             if not cells:
@@ -91,6 +92,7 @@ class Report:
             self.ours.update(load(work, "ours.pt").get("runs", {}))
             theirs = load(work, "theirs.pt")
             self.theirs.update(theirs.get("runs", {}))
+            self.kvzip_tokenizer.update(theirs.get("kvzip_tokenizer", {}))
             self.meta["kvpress"].update({k: theirs[k] for k in ("kvpress_version", "transformers_version", "torch_version") if k in theirs})
         self.ratios = sorted(self.meta["ratios"], reverse=True)
         self._tokenizers = {}
@@ -107,6 +109,8 @@ class Report:
         ours, theirs = self.ours.get(key), self.theirs.get(f"{key}|{variant}")
         if ours is None or theirs is None:
             return None
+        if "error" in ours and "error" in theirs:
+            return f"both refuse: ours {ours['error']}; kvpress {theirs['error']}", "both refuse"
         if "error" in ours:
             return f"ours failed: {ours['error']}", "ours failed"
         if "error" in theirs:
@@ -147,6 +151,15 @@ def note_of(name: str, pair: dict) -> str:
     return PAIRS[name].note if name in PAIRS else pair.get("note", "")
 
 
+def no_counterpart_line() -> str:
+    """One line: our registered methods without a kvpress counterpart (scripts/peer_parity_ours.py NO_COUNTERPART)."""
+    try:
+        from peer_parity_ours import NO_COUNTERPART
+    except ImportError:
+        return ""
+    return "; ".join(f"`{name}` ({why})" for name, why in NO_COUNTERPART.items()) + "."
+
+
 def setting_text(pair: dict) -> str:
     options = " ".join(f"{k}={v}" for k, v in pair["ours"].items())
     tags = sorted(set(pair.get("tags", {}).values()))
@@ -178,7 +191,7 @@ def verdict(results: list[tuple[str, tuple[str, str] | None]], column: int, what
     done = [(k, r[column]) for k, r in results if r is not None]
     if not done:
         return "not run"
-    failed = [(k, v) for k, v in done if v.startswith(("ours failed", "kvpress failed"))]
+    failed = [(k, v) for k, v in done if v.startswith(("ours failed", "kvpress failed", "both refuse"))]
     bad = [(k, v) for k, v in done if v != "=" and (k, v) not in failed]
     if not bad and not failed:
         return f"{what} identical ({detail}{len(done)}/{len(done)} runs)"
@@ -250,6 +263,17 @@ def main(argv=None) -> int:
         lines.append(f"| {name} | {setting_text(pair)} | {default_differences(name, pair['ours'])} | {press_text(pair['kvpress'])} | "
                      f"{kept_v} | {tok_v} | {note_of(name, pair)} |")
         printed.append(f"{name}: {kept_v}; {tok_v}")
+
+    lines += ["", f"Not compared: {no_counterpart_line()}"] if no_counterpart_line() else []
+    for model, check in rep.kvzip_tokenizer.items():
+        if "error" in check:
+            verdict_text = f"could not be loaded ({check['error']})"
+        else:
+            same = all(check["same"].values())
+            verdict_text = ("gives the same chat-template prefix, suffix and replay prompts as ours" if same else
+                            "differs from ours in " + ", ".join(k for k, v in check["same"].items() if not v))
+        lines += ["", f"KVzipPress's tokenizer on {model} (loaded from `model.config.name_or_path`, the weight folder "
+                      f"`{check['folder']}`, which holds the harness's tokenizer files): {verdict_text}."]
 
     lines += ["", "## Per run", ""]
     header = "| method | cell | " + " | ".join(f"{PROTOCOL_SHORT[p]} r{r:g}" for p in PROTOCOLS for r in rep.ratios) + " |"

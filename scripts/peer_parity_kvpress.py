@@ -26,6 +26,9 @@ Two ways to drive the hooks:
   the call kvpress's hook makes, with the same arguments; each press then decodes from its own copy of
   the cache. A press only reads its own layer's inputs, so this equals one prefill per press; the
   `--hooks-cells` runs check that on real cells (variant `kvpress_hooks`).
+A press whose own context manager does more than hook the prefill (KVzipPress: it replays the context
+after the prefill, then masks what it prunes) always runs alone, as shipped; its kept positions are the
+complement of the masks it leaves on each layer.
 
 Gemma 3 (text-only Gemma3ForCausalLM): kvpress as shipped hooks every layer, the sliding-window ones
 too (it skips them for Gemma3ForConditionalGeneration only). Variant `kvpress` hooks only the

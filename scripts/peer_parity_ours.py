@@ -27,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.app import compose_settings  # noqa: E402
+from harness.app import compose_settings, override_value  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
 from harness.methods import METHODS, build_method  # noqa: E402
 from harness.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, chat_prefix_and_suffix  # noqa: E402
@@ -109,9 +109,8 @@ PAIRS: dict[str, Pair] = {
 
 # Our registered methods that have no kvpress 0.5.5 counterpart: named in the report, not run.
 NO_COUNTERPART = {
-    "cake": "kvpress 0.5.5 has no CAKE press (layer budgets from attention entropy and variance)",
-    "h2o": "kvpress 0.5.5 has no H2O press (heavy hitters + recent window); its ObservedAttentionPress is compared as "
-           "`observed_attention`",
+    "cake": "kvpress 0.5.5 has no CAKE press",
+    "h2o": "kvpress 0.5.5 has no H2O press; its H2O-like ObservedAttentionPress is the `observed_attention` row",
     "full": "no compression",
 }
 
@@ -127,6 +126,7 @@ class Cell:
     model: str
     length: int
     depth: float
+    label: str = ""  # a prompt that differs from the needle task's own (--system-prompt): part of the cell's key
 
 
 @dataclass
@@ -147,11 +147,11 @@ def our_entry(name: str, ratio: float) -> dict:
     return {"name": name, "ratio": ratio, **PAIRS[name].ours}
 
 
-def compose_pairs(model: str, methods: list[str], ratios: list[float], eager: bool) -> tuple[object, dict, dict]:
+def compose_pairs(model: str, methods: list[str], ratios: list[float], eager: bool, extra: list[str]) -> tuple[object, dict, dict]:
     """The base config of `model` and, per (method, ratio), our setting (tag, method object), composed as
     `python -m harness model=<model> method=<name> method.ratio=<r> method.<option>=...` composes it.
     Methods whose options our config lacks are returned in `problems` with the one-line reason."""
-    base = [f"model={model}", *MODELS[model]] + (["model.attn_implementation=eager"] if eager else [])
+    base = [f"model={model}", *MODELS[model], *extra] + (["model.attn_implementation=eager"] if eager else [])
     settings, problems = {}, {}
     cfg = None
     for name in methods:
@@ -187,7 +187,7 @@ def kept_per_head(positions) -> list[torch.Tensor] | None:
     raise TypeError(f"unexpected kept-positions type {type(positions).__name__}")
 
 
-def prepare_model(model: str, cells: list[Cell], plan: Plan, out: dict) -> dict:
+def prepare_model(model: str, cells: list[Cell], plan: Plan, out: dict, extra: list[str]) -> dict:
     """Compose our settings of `model` (sdpa, and eager for the methods that read attention weights) and
     build its cells' token ids. Returns {eager: (loaded-model config, settings)}."""
     groups = {}
@@ -195,7 +195,7 @@ def prepare_model(model: str, cells: list[Cell], plan: Plan, out: dict) -> dict:
         names = [n for n in plan.methods if PAIRS[n].eager == eager]
         if not names:
             continue
-        cfg, settings, problems = compose_pairs(model, names, plan.ratios, eager)
+        cfg, settings, problems = compose_pairs(model, names, plan.ratios, eager, extra)
         for name, reason in problems.items():
             out["pairs"][name]["status"] = f"our options do not match the table: {reason}"
             log.warning("%s: %s", name, reason)
@@ -222,12 +222,13 @@ def prepare_model(model: str, cells: list[Cell], plan: Plan, out: dict) -> dict:
         out["cells"][cell_key(cell)] = {"model": model, "length": cell.length, "depth": cell.depth, "ids": list(built.ids),
                                         "question_start": built.question_start, "needle": [built.needle_start, built.needle_end],
                                         "answer": str(cfg.task.answer), "prompt_style": str(cfg.task.prompt_style),
+                                        "system_prompt": str(cfg.task.system_prompt),
                                         "max_new_tokens": plan.max_new_tokens}
     return groups
 
 
 def cell_key(cell: Cell) -> str:
-    return f"{cell.model}/{cell.length}/{cell.depth:g}"
+    return f"{cell.model}/{cell.length}/{cell.depth:g}" + (f"/{cell.label}" if cell.label else "")
 
 
 def run_model(model: str, cells: list[Cell], plan: Plan, groups: dict, out: dict, save) -> None:
@@ -275,6 +276,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.25], help="our kept fractions (kvpress: 1 - ratio)")
     ap.add_argument("--methods", nargs="+", default=list(PAIRS), help="our registry names (default: the whole table)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--system-prompt", default=None,
+                    help="the SmolLM2 cells' system prompt instead of the needle task's (e.g. SmolLM2's default one, so that "
+                         "the prompt opens with the chat-template prefix KVzipPress skips); their keys end in /system-prompt")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -293,14 +297,16 @@ def main(argv=None) -> int:
             out["pairs"][name]["status"] = "not registered here"
             print(f"{name}: not registered here")
     runnable = [n for n in args.methods if "status" not in out["pairs"][n]]
-    cells = [Cell("smollm2-135m", n, d) for n in args.lengths for d in args.depths]
+    label = "" if args.system_prompt is None else "system-prompt"
+    cells = [Cell("smollm2-135m", n, d, label) for n in args.lengths for d in args.depths]
+    extra = {"smollm2-135m": [] if args.system_prompt is None else [f"task.system_prompt={override_value(args.system_prompt)}"]}
     for spec in args.gemma_cells:
         length, depth = spec.split(":")
         cells.append(Cell("gemma3-270m", int(length), float(depth)))
     plan = Plan(cells, args.ratios, runnable, args.max_new_tokens)
     args.work.mkdir(parents=True, exist_ok=True)
     models = list(dict.fromkeys(c.model for c in cells))
-    groups = {m: prepare_model(m, [c for c in cells if c.model == m], plan, out) for m in models}
+    groups = {m: prepare_model(m, [c for c in cells if c.model == m], plan, out, extra.get(m, [])) for m in models}
     if args.stage == "ids":
         torch.save(out, args.work / "cells.pt")
         print(f"ours: {len(out['cells'])} cells, methods {', '.join(n for n, p in out['pairs'].items() if 'status' not in p)} "

@@ -264,6 +264,9 @@ class Session:
         self.replaying = None  # observe(module, query, key) while a method replays tokens over the full cache
         self.context_ids: list[torch.Tensor] = []
         self.tokenizer = None
+        # What several settings of one item would compute alike (KVzip's replay scores do not depend on the
+        # budget): computed by the first, reused by the others (FinishContext.memo).
+        self.memo: dict = {}
 
     # The single-method view (tests): `with compression(model, m) as state: state.after`.
     @property
@@ -455,6 +458,11 @@ class FinishContext:
     ids: torch.Tensor
     tokenizer: object
     state: MethodState
+
+    @property
+    def memo(self) -> dict:
+        """This item's shared results (Session.memo): key them by every option they depend on."""
+        return self.session.memo
 
     def replay(self, input_ids: torch.Tensor, start: int, observe) -> None:
         """One forward of `input_ids` (1, n) at true positions start.. over a copy of the full cache (the

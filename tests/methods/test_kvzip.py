@@ -77,3 +77,38 @@ def test_kvzip_prunes_globally_keeps_sinks_and_counts_its_forwards():
             assert positions[0, h, :4].tolist() == [0, 1, 2, 3]  # sinks never evicted
     # stored ragged: the cache holds exactly the kept pairs (2 layers, K and V, 16 dims, float32)
     assert diag["cache_bytes"] == sum(kept.values()) * 16 * 2 * 4
+
+
+def test_kvzip_settings_of_several_budgets_share_one_replay(monkeypatch):
+    """The replay's scores do not depend on the budget: a methods list with kvzip at two ratios replays the
+    context once, and each setting's kept positions and tokens equal its separate run's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_engine import loaded_of, prompt_ids  # noqa: E402
+
+    from conftest import tiny_model
+    from harness.methods import engine
+    from harness.tasks.common import Prompt, generate_settings
+
+    model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
+    options = {"name": "kvzip", "budget": None, "window_size": 0, "n_sink": 4, "chunk_size": 64, "layerwise": False,
+               "kvzip_plus_normalization": False}
+    methods = [(f"z{r}", build_method({**options, "ratio": r})) for r in (0.25, 0.5)]
+    replays, original = [], engine.FinishContext.replay
+
+    def counting(self, *args, **kwargs):
+        replays.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine.FinishContext, "replay", counting)
+    prompt, loaded = Prompt(prompt_ids()[0].tolist()), loaded_of(model)
+    shared = generate_settings(loaded, methods, prompt, max_new_tokens=3)
+    assert len(replays) == 3  # one replay (3 chunk forwards) for both settings
+    for tag, method in methods:
+        alone = generate_settings(loaded, [(tag, method)], prompt, max_new_tokens=3)[tag]
+        assert shared[tag].generation.tokens == alone.generation.tokens
+        assert all(torch.equal(shared[tag].kept[i], alone.kept[i]) for i in alone.kept)
+        assert shared[tag].diagnostics["reconstruction_forwards"] == alone.diagnostics["reconstruction_forwards"] == 3
+    assert sum(int((p >= 0).sum()) for p in shared["z0.25"].kept.values()) < sum(int((p >= 0).sum()) for p in shared["z0.5"].kept.values())
