@@ -567,6 +567,24 @@ def question_outcomes(outcome: Outcome, questions: int) -> list[Outcome]:
     return [outcome]
 
 
+def question_records(outcomes: dict, questions: int, logs: dict, make: Callable) -> dict:
+    """Per setting, one record per question (`make(i, answer)`, in question order): {tag: [records]}, or the
+    first error that failed one of its questions (the answered ones are appended to that tag's log here, so
+    a rerun asks only the missing ones)."""
+    out = {}
+    for tag, outcome in outcomes.items():
+        records, error = [], None
+        for i, answer in enumerate(question_outcomes(outcome, questions)):
+            if answer.error is not None:
+                error = error or answer.error
+            else:
+                records.append(make(i, answer))
+        if error is not None and records:
+            logs[tag].append(records)
+        out[tag] = records if error is None else error
+    return out
+
+
 class QuestionLog:
     """A task's log seen per item of K questions, for `run_shared_items`: records are keyed by the item's key
     plus `question_index`; an item is in it once all K question records are, and `append` takes the item's

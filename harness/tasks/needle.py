@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel, find_package_file
 from harness.tasks.needle_prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
-from harness.tasks.common import Prompt, Question, QuestionLog, generate_settings, question_outcomes, run_shared_items
+from harness.tasks.common import Prompt, Question, QuestionLog, generate_settings, question_records, run_shared_items
 from metrics.needle import score_needle_response
 
 log = logging.getLogger(__name__)
@@ -312,26 +312,18 @@ def build_needles_cell(haystack: list[int], facts: list[tuple[PromptParts, str]]
 
 
 def needles_records(loaded, outcomes, built: NeedlesCell, facts, cell, logs, fixed: dict) -> dict:
-    """Every question's record of one cell for every setting: {tag: [its question records], or the error that
-    failed one of them (the others are appended to the tag's log here, so a rerun adds only the missing one)}."""
+    """Every question's record of one cell for every setting (common.question_records)."""
     length, depth = cell
     start = len(built.context)
-    out = {}
-    for tag, outcome in outcomes.items():
-        records, error = [], None
-        for i, answer in enumerate(question_outcomes(outcome, len(facts))):
-            if answer.error is not None:
-                error = error or answer.error
-                continue
-            record = answer_record(loaded.tokenizer, answer, facts[i][1], length=length, depth=depth, question_index=i,
-                                   needles=len(facts), needle_depth=built.depths[i], prompt_tokens=start + len(built.suffixes[i]),
-                                   needle_token_index=built.spans[i][0], needle_depth_actual=built.depth_actual[i],
-                                   question_start=start, **fixed)
-            kept = [record.get(f"needle_{j}_kept") for j in range(len(facts))]
-            if all(k is not None for k in kept):  # the aggregate: mean over the needles (the asked one: needle_<i>_kept)
-                record["needle_kept"] = round(sum(kept) / len(kept), 4)
-            records.append(record)
-        if error is not None:
-            logs[tag].append(records)
-        out[tag] = records if error is None else error
-    return out
+
+    def record(i, answer):
+        out = answer_record(loaded.tokenizer, answer, facts[i][1], length=length, depth=depth, question_index=i,
+                            needles=len(facts), needle_depth=built.depths[i], prompt_tokens=start + len(built.suffixes[i]),
+                            needle_token_index=built.spans[i][0], needle_depth_actual=built.depth_actual[i],
+                            question_start=start, **fixed)
+        kept = [out.get(f"needle_{j}_kept") for j in range(len(facts))]
+        if all(k is not None for k in kept):  # the aggregate: mean over the needles (the asked one: needle_<i>_kept)
+            out["needle_kept"] = round(sum(kept) / len(kept), 4)
+        return out
+
+    return question_records(outcomes, len(facts), logs, record)

@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, Question, QuestionLog, generate_settings, question_outcomes, run_shared_items
+from harness.tasks.common import Prompt, Question, QuestionLog, generate_settings, question_records, run_shared_items
 from harness.tasks.ruler_data import ALL_TASKS, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper, qa_files, QA_FILES
 from metrics.ruler import metric_for, postprocess_pred, sample_score
 
@@ -186,29 +186,20 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
                                      chunk_size=chunk_size, max_new_tokens=s.tokens_to_generate, decode_together=bool(cfg.get("decode_together", True)))
         needle_sizes = {k: b - a for k, (a, b) in prompt.spans.items() if k.startswith("needle_")}
         asked = s.questions or [(s.text, s.references)]
-        out = {}
-        for tag, whole in outcomes.items():
-            records, error = [], None
-            for i, o in enumerate(question_outcomes(whole, len(asked))):
-                if o.error is not None:
-                    error = error or o.error
-                    continue
-                text, references = asked[i]
-                record = sample_record(o, name, length, index, protocol, references, s, needle_sizes)
-                record["prompt_tokens"] = len(prompt.ids) + (len(prompt.questions[i].ids) if prompt.questions else 0)
-                record["question_start"] = prompt.question_start
-                if one_key:
-                    record.update(question_index=i, questions=len(asked), one_key_at_a_time=True)
-                if task.get("log_prompts"):
-                    record["prompt"] = text
-                records.append(record)
-            if not one_key:
-                out[tag] = error if error is not None else records[0]
-                continue
-            if error is not None:  # the answered questions are kept: a rerun asks only the failed one
-                logs[tag].append(records)
-            out[tag] = records if error is None else error
-        return out
+        def record(i, o):
+            text, references = asked[i]
+            out = sample_record(o, name, length, index, protocol, references, s, needle_sizes)
+            out["prompt_tokens"] = len(prompt.ids) + (len(prompt.questions[i].ids) if prompt.questions else 0)
+            out["question_start"] = prompt.question_start
+            if one_key:
+                out.update(question_index=i, questions=len(asked), one_key_at_a_time=True)
+            if task.get("log_prompts"):
+                out["prompt"] = text
+            return out
+
+        out = question_records(outcomes, len(asked), logs, record)
+        # RULER's one question: one record per sample (the log is keyed without question_index)
+        return out if one_key else {tag: v[0] if isinstance(v, list) else v for tag, v in out.items()}
 
     def sample_record(o, name, length, index, protocol, references, s, needle_sizes) -> dict:
         response = loaded.tokenizer.decode(o.generation.tokens[0], skip_special_tokens=True)
