@@ -8,13 +8,15 @@ method of `--methods` at its configured defaults (Hydra overrides after the opti
 method options are not taken: each method is composed as `method=<name>`):
 
 - shared: ONE prefill and compression of the context for every method, then each question prefilled on a
-  rollback copy of each method's compressed cache and answered (`generate_settings` on the K-question prompt);
+  rollback copy of each method's compressed cache, and every (method, question) decoded in one batch
+  (`generate_settings` on the K-question prompt);
 - separate: K runs of one question each, each with its own context prefill (`generate_settings` on each
   question's own prompt: what K query-agnostic items cost today).
 
 Both sides decode the same tokens (checked: the answers must be equal, or the script fails). Prints the wall
-time of each side (median over `--repeats` after one warm-up) and their ratio. Decoding is the same work on both
-sides, so the ratio falls with the context prefill's share: a long context and short answers gain most.
+time of each side (median over `--repeats` after one warm-up) and their ratio. The shared side saves K - 1
+context prefills and decodes K times as many rows per step (cheap on a GPU; about linear in rows on this CPU),
+so the ratio falls with the context prefill's share: a long context and short answers gain most.
 """
 
 from __future__ import annotations

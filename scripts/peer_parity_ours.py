@@ -61,10 +61,10 @@ class Pair:
 
 KVZIP_NOTE = ("the chat template's prefix that the replay skips: kvpress skips as many leading positions as the "
               "template's prefix for a bare user message has tokens (24 on SmolLM2, its default system prompt) whatever "
-              "the prompt holds; ours skips them only when the prompt starts with those ids, and our needle prompt has "
-              "its own system message, so ours replays from position 0 (a named difference: no kvpress-rule option in "
-              "ours). kvpress masks the pruned keys (a fake key per head at decoding), ours removes them. Both refuse "
-              "Gemma 3 (sliding-window layers)")
+              "the prompt holds: our option template_prefix=always (shown). Our default, template_prefix=if_present, "
+              "skips them only where the prompt starts with those ids (our needle prompt has its own system message, so "
+              "it replays from position 0). kvpress masks the pruned keys (a fake key per head at decoding), ours removes "
+              "them. Both refuse Gemma 3 (sliding-window layers)")
 
 # our registry name -> the pair. One line per method.
 PAIRS: dict[str, Pair] = {
@@ -101,7 +101,7 @@ PAIRS: dict[str, Pair] = {
     # KVzipPress scores after the prefill (its own context manager replays the context), so the kvpress side runs it
     # alone, as shipped; it builds the replay prompts with the tokenizer it loads from the model folder, which holds
     # the harness's tokenizer files (the same ids as ours: checked by peer_parity_kvpress.py before it runs).
-    "kvzip": Pair({"n_sink": 4, "chunk_size": 2048, "layerwise": False, "kvzip_plus_normalization": False},
+    "kvzip": Pair({"n_sink": 4, "chunk_size": 2048, "layerwise": False, "kvzip_plus_normalization": False, "template_prefix": "always"},
                   {"class": "KVzipPress", "kwargs": {"n_sink": 4, "chunk_size": 2048, "layerwise": False,
                                                      "kvzip_plus_normalization": False}},
                   note=KVZIP_NOTE),

@@ -41,6 +41,7 @@ from harness.methods.registry import register
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 PREVIOUS_TAIL = 8
+TEMPLATE_PREFIX_RULES = ("if_present", "always")
 
 
 def chat_prefix_and_suffix(tokenizer) -> tuple[list[int], list[int]]:
@@ -55,6 +56,15 @@ def chat_prefix_and_suffix(tokenizer) -> tuple[list[int], list[int]]:
     before, suffix = text.split(separator)
     prefix = before.split(dummy)[0]
     return tokenizer.encode(prefix, add_special_tokens=False), tokenizer.encode(suffix, add_special_tokens=False)
+
+
+def replay_start(ids: list[int], prefix: list[int], rule: str) -> int:
+    """Where the replayed context starts: after the chat template's prefix where the prompt opens with it
+    ("if_present"), or after as many positions as the prefix has tokens whatever the prompt holds ("always",
+    kvpress 0.5.5's rule)."""
+    if rule == "always" or ids[:len(prefix)] == prefix:
+        return min(len(prefix), len(ids))
+    return 0
 
 
 def replay_inputs(context: list[int], prefix_length: int, chunk_size: int, suffix: list[int], tokenizer) -> list[tuple[int, int, list[int]]]:
@@ -102,6 +112,10 @@ class KVzip(CompressionMethod):
     chunk_size: int = 2048
     layerwise: bool = False
     kvzip_plus_normalization: bool = False
+    # The chat template's prefix (before a user message) that the replay skips: "if_present" (ours) skips it only
+    # where the prompt opens with those ids; "always" (kvpress 0.5.5) skips that many leading positions whatever
+    # the prompt holds (they keep score 0 and go first).
+    template_prefix: str = "if_present"
 
     @property
     def compresses(self) -> bool:
@@ -120,6 +134,8 @@ class KVzip(CompressionMethod):
         require(self.n_sink >= 0, f"method.n_sink={self.n_sink} must be >= 0")
         require(not self.kvzip_plus_normalization, "method.kvzip_plus_normalization=true is not built (it needs each replay "
                                                    "token's hidden state); use false")
+        require(self.template_prefix in TEMPLATE_PREFIX_RULES,
+                f"method.template_prefix={self.template_prefix!r} is not one of {', '.join(TEMPLATE_PREFIX_RULES)}")
 
     def resolve(self, length: int) -> "KVzip":
         return self
@@ -142,7 +158,7 @@ class KVzip(CompressionMethod):
         order = sorted(layers)
         # The scores depend on the replay (chunks, sinks), not on the budget: settings of one item that differ
         # only in budget share one replay (its forwards are reported by each, as each separate run makes them).
-        memo_key = ("kvzip", self.n_sink, self.chunk_size, tuple(order))
+        memo_key = ("kvzip", self.n_sink, self.chunk_size, self.template_prefix, tuple(order))
         if memo_key not in context.memo:
             context.memo[memo_key] = self._replay_scores(context, summaries, order, first_keys)
         scores, extra = context.memo[memo_key]
@@ -174,7 +190,7 @@ class KVzip(CompressionMethod):
         b, hkv, length, _ = first_keys.shape
         ids = context.ids[0].tolist()
         prefix, suffix = chat_prefix_and_suffix(context.tokenizer)
-        prefix_length = len(prefix) if ids[:len(prefix)] == prefix else 0
+        prefix_length = replay_start(ids, prefix, self.template_prefix)
         scores = torch.zeros(len(order), b, hkv, length, dtype=first_keys.dtype, device=first_keys.device)
         forwards, tokens = 0, 0
         for start, end, replay in replay_inputs(ids, prefix_length, self.chunk_size, suffix, context.tokenizer):
@@ -188,5 +204,5 @@ class KVzip(CompressionMethod):
     def describe(self, num_layers):
         return {"name": self.name, "budget": self.budget, "ratio": self.ratio, "n_sink": self.n_sink,
                 "chunk_size": self.chunk_size, "layerwise": self.layerwise,
-                "kvzip_plus_normalization": self.kvzip_plus_normalization}
+                "kvzip_plus_normalization": self.kvzip_plus_normalization, "template_prefix": self.template_prefix}
 

@@ -188,6 +188,12 @@ def streamingllm_rule(variant, sink_tokens, window) -> str:
     return f"{variant}_s{sink_tokens}_{window_tag(window)}"
 
 
+def unless_default(value, default, label) -> str:
+    """`${kv.unless_default:${.option},<default>,<label>}`: "" at the default (tags of earlier runs stay), else
+    `_<label><value>`."""
+    return "" if str(value) == str(default) else f"_{label}{value}"
+
+
 def protocol_suffix(query_aware) -> str:
     """`${kv.protocol_suffix:${oc.select:task.query_aware,true}}`: run directories of query-agnostic runs get
     their own folder (`needle_query_agnostic/`), so the two protocols of one method never collide."""
@@ -202,6 +208,7 @@ RESOLVERS = {
     "kv.minus": minus,
     "kv.window_tag": window_tag,
     "kv.streamingllm_rule": streamingllm_rule,
+    "kv.unless_default": unless_default,
 }
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from harness.errors import HarnessError
 from harness.methods import build_method
-from harness.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, reconstruction_scores, replay_inputs
+from harness.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, reconstruction_scores, replay_inputs, replay_start
 
 
 class Chars:
@@ -112,3 +114,16 @@ def test_kvzip_settings_of_several_budgets_share_one_replay(monkeypatch):
         assert all(torch.equal(shared[tag].kept[i], alone.kept[i]) for i in alone.kept)
         assert shared[tag].diagnostics["reconstruction_forwards"] == alone.diagnostics["reconstruction_forwards"] == 3
     assert sum(int((p >= 0).sum()) for p in shared["z0.25"].kept.values()) < sum(int((p >= 0).sum()) for p in shared["z0.5"].kept.values())
+
+
+def test_replay_start_rules():
+    prefix = [5, 6, 7]
+    # ours: the prefix is skipped only where the prompt opens with it
+    assert replay_start([5, 6, 7, 1, 2], prefix, "if_present") == 3
+    assert replay_start([9, 5, 6, 7, 1], prefix, "if_present") == 0
+    # kvpress: as many positions as the prefix has tokens, whatever the prompt holds
+    assert replay_start([9, 5, 6, 7, 1], prefix, "always") == 3
+    assert replay_start([9, 8], prefix, "always") == 2
+    assert replay_start([1, 2], [], "always") == replay_start([1, 2], [], "if_present") == 0
+    with pytest.raises(HarnessError, match="template_prefix"):
+        build_method({"name": "kvzip", "budget": 64, "template_prefix": "never"}).validate(2, 4096)
