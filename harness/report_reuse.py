@@ -88,8 +88,21 @@ def reuse_key(run) -> str:
     key.pop("protocol", None)
     if isinstance(key.get("task_config"), dict):
         key["task_config"].pop("keep_answers", None)
-    key["method"] = run.data.get("method")
+    key["method"] = method_description(run)
     return json.dumps(key, sort_keys=True, default=str)
+
+
+def method_description(run) -> dict | None:
+    """The run's recorded method options, with the options added since (`added_options` of the method's class)
+    filled in at the default that keeps the earlier behaviour: an older run pairs with a newer one of the same rule."""
+    from harness.methods import METHODS
+
+    method = run.data.get("method")
+    if not isinstance(method, dict):
+        return method
+    name = str(method.get("name"))
+    cls = METHODS[name] if name in METHODS else None
+    return {**getattr(cls, "added_options", {}), **method} if cls is not None else method
 
 
 def _items(run):

@@ -140,3 +140,20 @@ def test_longbench_items_give_per_task_gaps_and_the_average(tmp_path):
         assert float(rows[t]["delta"]) == pytest.approx(means[t]) and int(rows[t]["n"]) == len(diffs)
     assert set(rows) == {"qasper", "hotpotqa", "average"}
     assert float(rows["average"]["delta"]) == pytest.approx(sum(means.values()) / 2) and int(rows["average"]["n"]) == 7
+
+
+def test_a_run_recorded_before_an_option_existed_pairs_at_that_options_old_default():
+    """KVzip's template_prefix was added after runs were recorded without it: such a run ran `if_present` and must
+    pair with a newer run that records it; a run of the other rule (`always`) must not."""
+    from types import SimpleNamespace
+
+    from harness.report_reuse import method_description
+
+    old = {"name": "kvzip", "budget": 1024, "ratio": None, "n_sink": 4, "chunk_size": 2048, "layerwise": False}
+    new = {**old, "template_prefix": "if_present"}
+    other = {**old, "template_prefix": "always"}
+    run = lambda method: SimpleNamespace(data={"method": method})  # noqa: E731
+    assert method_description(run(old)) == method_description(run(new)) == new
+    assert method_description(run(other)) != method_description(run(old))
+    snap = {"name": "snapkv", "budget": 512}
+    assert method_description(run(snap)) == snap  # no option added since: as recorded

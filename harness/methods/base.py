@@ -91,6 +91,9 @@ class CompressionMethod:
     supports_sliding_layers: ClassVar[bool] = True
     # False: the method scores one sequence at a time (KVzip, as kvpress): batched items (task.batch_size) refused.
     supports_batches: ClassVar[bool] = True
+    # Options added after results were recorded, with the default that keeps the earlier behaviour: a recorded
+    # method description without the option ran that default (reports pair such runs with newer ones).
+    added_options: ClassVar[dict] = {}
 
     @property
     def compresses(self) -> bool:

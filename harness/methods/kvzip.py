@@ -104,6 +104,7 @@ class KVzip(CompressionMethod):
     across_layers = True
     supports_sliding_layers = False
     supports_batches = False  # one sequence at a time (kvpress: batch 1)
+    added_options = {"template_prefix": "if_present"}  # runs recorded before the option replayed by this rule
 
     budget: int | None = 1024
     ratio: float | None = None
