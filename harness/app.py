@@ -29,7 +29,6 @@ by the `error: ...` line, after every job of the sweep has run; the sweep then e
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import random
@@ -306,7 +305,7 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
         run_dir.prepare(scfg, resume=resume, device=str(loaded.device))  # config.yaml, provenance.json (re-checked under the lock)
         settings.append(_setting(tag, method, scfg, run_dir))
     started = time.time()
-    outs = _run_task(task, cfg, loaded, settings, progress=bool(cfg.progress))
+    outs = task.run(cfg, loaded, settings, progress=bool(cfg.progress))  # the task contract (harness/tasks/contract.py)
     wall = round(time.time() - started, 2)
     done = {}
     for s in settings:
@@ -342,19 +341,6 @@ def _setting(tag, method, cfg, run_dir):
     except ImportError:  # a task side without the multi-setting contract
         from types import SimpleNamespace as Setting
     return Setting(tag=tag, method=method, cfg=cfg, run_dir=run_dir)
-
-
-def _run_task(task, cfg, loaded, settings, *, progress: bool) -> dict[str, dict]:
-    """task.run(cfg, loaded, settings, progress) -> {tag: {"summary", "rows", "failures"}}; a task runner
-    with the one-method signature run(cfg, loaded, method, run_dir, progress) runs each setting in turn."""
-    params = list(inspect.signature(task.run).parameters)
-    if len(params) > 2 and params[2] == "settings":
-        return task.run(cfg, loaded, settings, progress=progress)
-    outs = {}
-    for s in settings:
-        seed_everything(int(s.cfg.seed))
-        outs[s.tag] = task.run(s.cfg, loaded, s.method, s.run_dir, progress=progress)
-    return outs
 
 
 # --------------------------------------------------------------------------------------------------

@@ -69,6 +69,8 @@ PARTS: dict[str, Part] = {
                   ("ruler_leaderboard",), "one 40-80 GB GPU (Llama-3.1 is gated: HF_TOKEN)"),
     "ruler_cpu": Part("RULER on a CPU: SmolLM2-135M, RULER 4K (11 synthetic tasks x 10), both protocols, full + "
                       "SnapKV/PyramidKV/StreamingLLM/H2O at compression ratios 0.25/0.5/0.75", ("ruler_cpu",), "CPU (hours)"),
+    "ruler_gemma_cpu": Part("RULER on a CPU at three lengths: Gemma 3 270M, RULER 4K/8K/16K (11 synthetic tasks x 10), both "
+                            "protocols, full + SnapKV at compression ratios 0.25/0.5/0.75", ("ruler_gemma_cpu",), "CPU (hours)"),
 }
 DEFAULT_PARTS = ("longbench", "needle", "speed")
 SMOKE_PARTS: dict[str, Part] = {

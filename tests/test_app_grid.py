@@ -24,16 +24,16 @@ def _lines(path):
 @pytest.fixture
 def counted(monkeypatch):
     """Counts the (cell, settings) the needle task computes: what `generate_settings` is asked for."""
-    from harness.tasks import needle
+    from harness.tasks import contract
 
     calls: list[tuple[int, int, tuple[str, ...]]] = []
-    real = needle.generate_settings
+    real = contract.generate_settings
 
     def spy(loaded, methods, prompt, **kw):
         calls.append((len(prompt.ids), prompt.spans["needle"][0], tuple(t for t, _ in methods)))
         return real(loaded, methods, prompt, **kw)
 
-    monkeypatch.setattr(needle, "generate_settings", spy)
+    monkeypatch.setattr(contract, "generate_settings", spy)
     return calls
 
 

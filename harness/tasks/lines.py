@@ -22,7 +22,6 @@ the asked line.
 
 from __future__ import annotations
 
-import csv
 import functools
 import logging
 import random
@@ -33,9 +32,10 @@ from omegaconf import DictConfig
 
 from harness.errors import require
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, generate_settings, run_shared_items
+from harness.tasks import contract
+from harness.tasks.common import Prompt
+from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.longbench_data import question_start
-from harness.tasks.needle import protocol_name, warn_evicted_questions
 
 log = logging.getLogger(__name__)
 # Protocol options this task applies (harness.app refuses them for a task that does not list them).
@@ -162,69 +162,57 @@ def score_record(response: str, expected: int) -> dict:
     return {"score": float(correct), "correct": correct, "parsed": parsed, "contains": int(expected) in numbers}
 
 
-def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
-    """Every cell for every setting (harness.tasks.common.Setting), one prefill per cell: the pooling
-    ablation's two SnapKV settings (and the full cache) decode from the same prefill.
-    Returns {tag: {"summary", "rows", "failures"}}."""
-    task = cfg.task
-    lengths = [int(n) for n in task.lengths]
-    positions = [float(d) for d in task.positions]
-    samples = list(range(int(task.samples)))
-    if loaded.max_positions:
-        require(max(lengths) + int(task.max_new_tokens) <= loaded.max_positions,
-                f"task.lengths: {max(lengths)} + {task.max_new_tokens} new tokens exceeds {loaded.name}'s {loaded.max_positions} positions")
-    query_aware = bool(task.get("query_aware", True))
-    chunk_size = cfg.model.get("prefill_chunk_size")
-    by_tag = {s.tag: s for s in settings}
-    logs = {s.tag: s.run_dir.log(LOG_FILE, key=("length", "position", "sample")) for s in settings}
-    tok = loaded.tokenizer
+class LinesTask(GenerationTask):
+    """A cell is (length, position, sample): one record of lines, one asked key."""
 
-    def work(cell, tags):
-        length, position, sample = cell
-        ids, info = build_prompt(task, loaded, length, position, sample)
+    log_name, key_fields, noun = LOG_FILE.removesuffix(".jsonl"), ("length", "position", "sample"), "cells"
+    csv_columns = ("length", "position", "sample", "prompt_tokens", "n_lines", "target_index", "key", "expected", "parsed",
+                   "protocol", "score", "contains", "question_kept", "line_kept", "new_tokens", "stopped_by", "prefill_seconds",
+                   "decode_seconds", "response")
+
+    def __init__(self, cfg: DictConfig, loaded: LoadedModel):
+        super().__init__(cfg, loaded)
+        task = self.task
+        self.lengths = [int(n) for n in task.lengths]
+        self.positions = [float(d) for d in task.positions]
+        self.samples = list(range(int(task.samples)))
+        if loaded.max_positions:
+            require(max(self.lengths) + int(task.max_new_tokens) <= loaded.max_positions,
+                    f"task.lengths: {max(self.lengths)} + {task.max_new_tokens} new tokens exceeds {loaded.name}'s {loaded.max_positions} positions")
+        self.decode = dict(max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens))
+        log.info("lines: %d lengths x %d positions x %d sample(s), %s", len(self.lengths), len(self.positions), len(self.samples),
+                 self.protocol)
+
+    def items(self) -> list[tuple]:
+        return [(n, d, s) for n in self.lengths for d in self.positions for s in self.samples]
+
+    def build(self, cell) -> Built:
+        ids, info = build_prompt(self.task, self.loaded, *cell)
         split = info["question_start"]
         spans = {"question": (split, len(ids))}
         if info["line_span"] is not None:
             spans["line"] = tuple(info["line_span"])
-        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], Prompt(ids, split, spans),
-                                     query_aware=query_aware, chunk_size=chunk_size,
-                                     max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens), decode_together=bool(cfg.get("decode_together", True)))
-        out = {}
-        for tag, o in outcomes.items():
-            if o.error is not None:
-                out[tag] = o.error
-                continue
-            gen = o.generation
-            response = tok.decode(gen.tokens[0], skip_special_tokens=True).strip()
-            out[tag] = {
-                "length": length, "position": position, "sample": sample, "prompt_tokens": len(ids), **info,
-                "protocol": protocol_name(query_aware),
-                "response": response, **score_record(response, info["expected"]),
-                "new_tokens": len(gen.tokens[0]), "stopped_by": gen.stopped_by[0],
-                "prefill_seconds": round(gen.prefill_seconds, 4), "decode_seconds": round(gen.decode_seconds, 4),
-                **o.diagnostics,
-            }
-        return out
+        return Built(Prompt(ids, split, spans), data=info)
 
-    cells = [(n, d, s) for n in lengths for d in positions for s in samples]
-    log.info("lines: %d lengths x %d positions x %d sample(s), %d setting(s), %s", len(lengths), len(positions), len(samples),
-             len(settings), protocol_name(query_aware))
-    outcome = run_shared_items(cells, logs=logs, key=lambda c: c, work=work, desc="lines cells",
-                               failures_paths={s.tag: s.run_dir.path / "failures.json" for s in settings}, progress=progress)
-    from harness.report_figures import lines_heatmap
+    def record(self, cell, built: Built, i: int, text: str, answer) -> dict:
+        length, position, sample = cell
+        response = text.strip()
+        return {"length": length, "position": position, "sample": sample, **built.data,
+                "response": response, **score_record(response, built.data["expected"])}
 
-    results = {}
-    for s in settings:
-        rows = [logs[s.tag].records[c] for c in cells if c in logs[s.tag].records]
-        write_csv(s.run_dir.path / "lines_cells.csv", rows)
-        summary = summarize(rows, lengths, positions)
-        summary["failed_cells"] = len(outcome[s.tag].failures)
-        summary["protocol"] = protocol_name(query_aware)
-        summary["prefill_chunk_size"] = chunk_size
-        warn_evicted_questions(rows, s.tag)
-        lines_heatmap(rows, s.run_dir.path / "lines_heatmap.png", title=f"{loaded.name} · {s.tag}")
-        results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
-    return results
+    def summarize(self, rows: list[dict]) -> dict:
+        return summarize(rows, self.lengths, self.positions)
+
+    def finish(self, setting, rows: list[dict], summary: dict) -> None:
+        from harness.report_figures import lines_heatmap
+
+        lines_heatmap(rows, setting.run_dir.path / "lines_heatmap.png", title=f"{self.loaded.name} · {setting.tag}")
+
+
+def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
+    """Every cell for every setting (harness.tasks.common.Setting), one prefill per cell: the pooling
+    ablation's two SnapKV settings (and the full cache) decode from the same prefill (contract.run)."""
+    return contract.run(LinesTask(cfg, loaded), settings, progress=progress)
 
 
 def summarize(rows: list[dict], lengths: list[int], positions: list[float]) -> dict:
@@ -242,14 +230,3 @@ def summarize(rows: list[dict], lengths: list[int], positions: list[float]) -> d
         "by_position": {f"{d:g}": mean(r["score"] for r in rows if r["position"] == d) for d in positions},
         "mean_lines": mean(r["n_lines"] for r in rows),
     }
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    fields = ["length", "position", "sample", "prompt_tokens", "n_lines", "target_index", "key", "expected", "parsed",
-              "protocol", "score", "contains", "question_kept", "line_kept", "new_tokens", "stopped_by", "prefill_seconds",
-              "decode_seconds", "response"]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-

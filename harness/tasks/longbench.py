@@ -27,8 +27,9 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
 from harness.rundir import write_json, write_text
-from harness.tasks.common import Prompt, generate_settings, run_shared_items
-from harness.tasks.needle import protocol_name, warn_evicted_questions
+from harness.tasks import contract
+from harness.tasks.common import Prompt
+from harness.tasks.contract import Built, GenerationTask, protocol_name, warn_evicted_questions
 from harness.tasks.longbench_data import (
     NO_QUESTION_TASKS,
     NOTHING_AFTER_CONTEXT,
@@ -132,6 +133,56 @@ def failures_file(run_path: Path, index: int, count: int) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
+class LongBenchDataset(GenerationTask):
+    """One LongBench dataset's items of this shard, as pred.py runs them: an item is (index,) in the dataset; its
+    record is pred.py's prediction line (`pred` not stripped, `answers`, `all_classes`, `length`) in the shard's
+    prediction file, scored once every shard is in (`score`)."""
+
+    key_fields, noun = ("index",), "items"
+
+    def __init__(self, cfg: DictConfig, loaded: LoadedModel, name: str, rows: list[dict], shard: tuple[int, int], *,
+                 templates: dict, guard_all: bool, newline: int):
+        super().__init__(cfg, loaded)
+        self.name, self.rows, self.shard, self.templates = name, rows, shard, templates
+        self.indices = shard_items(len(rows), *shard)
+        self.budget = loaded.prompt_max_length
+        self.new_tokens = max_new_tokens(name)
+        # pred.py replaces the EOS list for samsum with [tokenizer.eos_token_id, "\n"]: the model's other
+        # EOS ids (e.g. Llama-3's <|eot_id|> besides <|end_of_text|>) do not stop it there.
+        self.decode = dict(max_new_tokens=self.new_tokens, stop_token_ids=[newline] if name == "samsum" else [],
+                           min_new_tokens=1 if (name == "samsum" or guard_all) else 0,
+                           eos_token_ids=samsum_eos_ids(loaded.tokenizer) if name == "samsum" else loaded.eos_token_ids)
+        self.warned = False
+
+    def log_file(self, setting) -> str:
+        k, n = self.shard
+        return str(pred_file(setting.run_dir.path, self.name, k, n).relative_to(setting.run_dir.path))
+
+    def items(self) -> list[tuple]:
+        return [(i,) for i in self.indices]
+
+    def build(self, item) -> Built:
+        loaded, (i,) = self.loaded, item
+        row = self.rows[i]
+        prompt = build_prompt(self.name, row, loaded.tokenizer, self.budget, self.templates)
+        text, ids = render(self.name, prompt.text, loaded)
+        if loaded.max_positions and len(ids) + self.new_tokens > loaded.max_positions and not self.warned:
+            self.warned = True
+            log.warning("%s: a prompt of %d tokens + %d new tokens exceeds %s's %d positions (model.prompt_max_length=%d)",
+                        self.name, len(ids), self.new_tokens, loaded.name, loaded.max_positions, self.budget)
+        split = question_start(self.name, row, ids, loaded.tokenizer, self.templates)
+        return Built(Prompt(ids, split, {"question": (split, len(ids))} if split < len(ids) else {}), data=(prompt, text))
+
+    def record(self, item, built: Built, i: int, text: str, answer) -> dict:
+        (index,), row, (prompt, prompt_text) = item, self.rows[item[0]], built.data
+        out = {"index": index, "_id": row["_id"], "pred": text,  # not stripped, as pred.py
+               "answers": row["answers"], "all_classes": row["all_classes"], "length": row["length"],
+               "raw_prompt_tokens": prompt.raw_tokens, "truncated": prompt.truncated, "chat_formatted": not is_raw(self.name)}
+        if self.task.get("log_prompts"):
+            out["prompt"] = prompt_text
+        return out
+
+
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
     """Every selected item for every setting (harness.tasks.common.Setting), one prefill per item.
 
@@ -141,8 +192,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     budget = loaded.prompt_max_length
     require(isinstance(budget, int) and budget > 1,
             f"model.prompt_max_length={budget!r}: LongBench needs the model's prompt budget in tokens (model2maxlen, e.g. 31500)")
-    query_aware = bool(task.get("query_aware", True))
-    chunk_size = cfg.model.get("prefill_chunk_size")
+    protocol = protocol_name(bool(task.get("query_aware", True)))
     k, n = plan.shard_index, plan.shard_count
     for s in settings:
         (s.run_dir.path / PRED_DIR).mkdir(parents=True, exist_ok=True)
@@ -154,73 +204,18 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     templates = load_dataset2prompt()
     guard_all = bool(task.get("min_new_tokens", False))
     newline = newline_token_id(tok)
-    by_tag = {s.tag: s for s in settings}
     failures: dict[str, list[dict]] = {s.tag: [] for s in settings}
     for name in plan.names:
-        rows = plan.rows[name]
-        new_tokens = max_new_tokens(name)
-        stop_ids = [newline] if name == "samsum" else []
-        # pred.py replaces the EOS list for samsum with [tokenizer.eos_token_id, "\n"]: the model's other
-        # EOS ids (e.g. Llama-3's <|eot_id|> besides <|end_of_text|>) do not stop it there.
-        eos_ids = samsum_eos_ids(tok) if name == "samsum" else loaded.eos_token_ids
-        min_new = 1 if (name == "samsum" or guard_all) else 0
-        warned = []
-
-        def work(i, tags, name=name, rows=rows, new_tokens=new_tokens, stop_ids=stop_ids, min_new=min_new, warned=warned,
-                 eos_ids=eos_ids):
-            row = rows[i]
-            prompt = build_prompt(name, row, tok, budget, templates)
-            text, ids = render(name, prompt.text, loaded)
-            if loaded.max_positions and len(ids) + new_tokens > loaded.max_positions and not warned:
-                warned.append(True)
-                log.warning("%s: a prompt of %d tokens + %d new tokens exceeds %s's %d positions (model.prompt_max_length=%d)",
-                            name, len(ids), new_tokens, loaded.name, loaded.max_positions, budget)
-            split = question_start(name, row, ids, tok, templates)
-            item = Prompt(ids, split, {"question": (split, len(ids))} if split < len(ids) else {})
-            outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], item, query_aware=query_aware,
-                                         chunk_size=chunk_size, max_new_tokens=new_tokens, stop_token_ids=stop_ids,
-                                         min_new_tokens=min_new, eos_token_ids=eos_ids, decode_together=bool(cfg.get("decode_together", True)))
-            out = {}
-            for tag, o in outcomes.items():
-                if o.error is not None:
-                    out[tag] = o.error
-                    continue
-                tokens = o.generation.tokens[0]
-                record = {
-                    "index": i,
-                    "_id": row["_id"],
-                    "pred": tok.decode(tokens, skip_special_tokens=True),  # not stripped, as pred.py
-                    "answers": row["answers"],
-                    "all_classes": row["all_classes"],
-                    "length": row["length"],
-                    "prompt_tokens": len(ids),
-                    "raw_prompt_tokens": prompt.raw_tokens,
-                    "truncated": prompt.truncated,
-                    "chat_formatted": not is_raw(name),
-                    "question_start": split,
-                    "protocol": protocol_name(query_aware),
-                    "new_tokens": len(tokens),
-                    "stopped_by": o.generation.stopped_by[0],
-                    "prefill_seconds": round(o.generation.prefill_seconds, 4),
-                    "decode_seconds": round(o.generation.decode_seconds, 4),
-                    **o.diagnostics,
-                }
-                if task.get("log_prompts"):
-                    record["prompt"] = text
-                out[tag] = record
-            return out
-
-        logs = {s.tag: s.run_dir.log(str(pred_file(s.run_dir.path, name, k, n).relative_to(s.run_dir.path)), key="index")
-                for s in settings}
+        dataset = LongBenchDataset(cfg, loaded, name, plan.rows[name], (k, n), templates=templates, guard_all=guard_all, newline=newline)
+        logs = {s.tag: s.run_dir.log(dataset.log_file(s), key=dataset.key_fields) for s in settings}
         desc = f"{name}" + (f" [shard {k}/{n}]" if n > 1 else "")
-        outcome = run_shared_items(shard_items(len(rows), k, n), logs=logs, key=lambda i: (i,), work=work, desc=desc,
-                                   failures_paths=None, progress=progress)
+        outcome = contract.run_settings(dataset, settings, logs, progress=progress, desc=desc)
         for s in settings:
             failures[s.tag] += [{"task": name, **f} for f in outcome[s.tag].failures]
             write_json(failures_file(s.run_dir.path, k, n), failures[s.tag])  # this shard's failures so far, all tasks
 
     rules = describe_rules(plan, loaded, budget, guard_all, newline)
-    rules["protocol"] = protocol_name(query_aware)
+    rules["protocol"] = protocol
     rules["samsum_eos_token_ids"] = samsum_eos_ids(tok) + [newline]  # pred.py's list for samsum
     # Query-agnostic: what is prefilled after compression is the template's text after {context}; these
     # tasks have none (everything is compressed), these others only a fixed instruction (no question).
@@ -235,7 +230,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
             results[s.tag] = {"summary": summary, "rows": [], "failures": failures[s.tag]}
             continue
         summary, rows = score(plan, merged, task, rules)
-        summary["protocol"] = protocol_name(query_aware)
+        summary["protocol"] = protocol
         warn_evicted_questions([r for recs in merged.values() for r in recs], s.tag)
         write_text(s.run_dir.path / TABLE_FILE, markdown_table(summary, loaded.name, s.tag))
         results[s.tag] = {"summary": summary, "rows": rows, "failures": failures[s.tag]}

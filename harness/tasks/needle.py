@@ -8,7 +8,6 @@ original rule (walk back to the previous period token; 100 appends at the end).
 
 from __future__ import annotations
 
-import csv
 import logging
 import math
 from dataclasses import dataclass
@@ -19,7 +18,9 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel, find_package_file
 from harness.tasks.needle_prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
-from harness.tasks.common import Prompt, Question, QuestionLog, generate_settings, question_records, run_shared_items
+from harness.tasks import contract
+from harness.tasks.common import Prompt, Question
+from harness.tasks.contract import Built, GenerationTask
 from metrics.needle import score_needle_response
 
 log = logging.getLogger(__name__)
@@ -54,129 +55,101 @@ def haystack_files(task: DictConfig) -> list[Path]:
     return files
 
 
-def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
-    """Every cell of the grid for every setting (harness.tasks.common.Setting), one prefill per cell.
+class NeedleTask(GenerationTask):
+    """The length x depth grid: a cell is (length, depth); with task.needles = K > 1, K questions per cell."""
 
-    Returns {tag: {"summary", "rows", "failures"}}."""
-    task = cfg.task
-    lengths = [int(n) for n in task.lengths]
-    depths = [float(d) for d in task.depths]
-    query_aware = bool(task.get("query_aware", True))
-    needles, keep_answers = int(task.get("needles", 1)), bool(task.get("keep_answers", False))
-    batch_size = int(task.get("batch_size") or 1)
-    one_at_a_time = [s.tag for s in settings if not getattr(s.method, "supports_batches", True)]
-    require(batch_size == 1 or not one_at_a_time,
-            f"task.batch_size={batch_size}: {', '.join(one_at_a_time)} scores one sequence at a time; use task.batch_size=1 "
-            "or run those methods separately")
-    chunk_size = cfg.model.get("prefill_chunk_size")
-    longest = max(lengths) + int(task.max_new_tokens)
-    if loaded.max_positions:
-        require(longest <= loaded.max_positions,
-                f"task.lengths: {max(lengths)} + {task.max_new_tokens} new tokens exceeds {loaded.name}'s {loaded.max_positions} positions")
-    cap = apply_memory_cap(task.get("memory_cap_gb"), loaded.device)
-    style = str(task.prompt_style)  # default: by model.chat_format (conf/task/needle.yaml), resolved in the config
-    parts = prompt_parts(task, loaded)
-    facts = fact_parts(task, loaded, needles) if needles > 1 else None
-    if facts and keep_answers and loaded.max_positions:  # the conversation grows by every question and answer
-        grown = max(lengths) + sum(len(f.suffix) + int(task.max_new_tokens) for f, _ in facts)
-        require(grown <= loaded.max_positions, f"task.keep_answers=true: {needles} questions and answers after a {max(lengths)}-token "
-                                               f"prompt reach {grown} positions, past {loaded.name}'s {loaded.max_positions}")
-    text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
-    haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
-    passes = math.ceil(max(lengths) / len(haystack))
-    haystack = haystack * passes  # repeated as the original does, as tokens: no re-tokenization per cell
-    log.info("needle: haystack %d tokens x %d, grid %d lengths x %d depths, %d setting(s), %s",
-             len(haystack) // passes, passes, len(lengths), len(depths), len(settings), protocol_name(query_aware))
-    by_tag = {s.tag: s for s in settings}
-    if facts:  # one record per (cell, question): a cell is done once all its questions are
-        logs = {s.tag: QuestionLog(s.run_dir.log("needle_cells.jsonl", key=("length", "depth", "question_index")), needles)
-                for s in settings}
-    else:
-        logs = {s.tag: s.run_dir.log("needle_cells.jsonl", key=("length", "depth")) for s in settings}
-    decode = dict(max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens))
-    stop_strings = list(getattr(loaded, "stop_strings", None) or [])
+    log_name, key_fields, noun = "needle_cells", ("length", "depth"), "cells"
 
-    fixed = dict(protocol=protocol_name(query_aware), prompt_style=style)
-    if facts:
-        fixed["keep_answers"] = keep_answers
-    options = dict(query_aware=query_aware, keep_answers=keep_answers, chunk_size=chunk_size, stop_strings=stop_strings,
-                   decode_together=bool(cfg.get("decode_together", True)), **decode)
+    def __init__(self, cfg: DictConfig, loaded: LoadedModel):
+        super().__init__(cfg, loaded)
+        task = self.task
+        self.lengths = [int(n) for n in task.lengths]
+        self.depths = [float(d) for d in task.depths]
+        self.needles, keep_answers = int(task.get("needles", 1)), bool(task.get("keep_answers", False))
+        self.batch_size, self.batch_key = int(task.get("batch_size") or 1), (lambda cell: cell[0])  # cells of one length
+        longest = max(self.lengths) + int(task.max_new_tokens)
+        if loaded.max_positions:
+            require(longest <= loaded.max_positions,
+                    f"task.lengths: {max(self.lengths)} + {task.max_new_tokens} new tokens exceeds {loaded.name}'s {loaded.max_positions} positions")
+        self.cap = apply_memory_cap(task.get("memory_cap_gb"), loaded.device)
+        self.style = str(task.prompt_style)  # default: by model.chat_format (conf/task/needle.yaml), resolved in the config
+        self.parts = prompt_parts(task, loaded)
+        self.facts = fact_parts(task, loaded, self.needles) if self.needles > 1 else None
+        self.multi_question = bool(self.facts)
+        if self.facts and keep_answers and loaded.max_positions:  # the conversation grows by every question and answer
+            grown = max(self.lengths) + sum(len(f.suffix) + int(task.max_new_tokens) for f, _ in self.facts)
+            require(grown <= loaded.max_positions, f"task.keep_answers=true: {self.needles} questions and answers after a "
+                                                   f"{max(self.lengths)}-token prompt reach {grown} positions, past {loaded.name}'s {loaded.max_positions}")
+        text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
+        haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        passes = math.ceil(max(self.lengths) / len(haystack))
+        self.haystack = haystack * passes  # repeated as the original does, as tokens: no re-tokenization per cell
+        log.info("needle: haystack %d tokens x %d, grid %d lengths x %d depths, %s",
+                 len(haystack), passes, len(self.lengths), len(self.depths), self.protocol)
+        self.decode = dict(max_new_tokens=int(task.max_new_tokens), min_new_tokens=int(task.min_new_tokens),
+                           stop_strings=list(getattr(loaded, "stop_strings", None) or []), keep_answers=keep_answers)
+        self.fixed = dict(prompt_style=self.style, **({"keep_answers": keep_answers} if self.facts else {}))
+        self.csv_columns = ("length", "depth", *(("question_index", "needle_depth") if self.facts else ()), "prompt_tokens",
+                            "needle_token_index", "needle_depth_actual", "protocol", "score", "keyword_recall", "strict",
+                            "rouge1_f", "needle_kept", "question_kept", "budget_tokens", "new_tokens", "stopped_by",
+                            "prefill_seconds", "decode_seconds", "response")
 
-    def cell_prompt(cell):
-        """The cell's prompt, and what its records need to say of it."""
+    def items(self) -> list[tuple]:
+        return [(n, d) for n in self.lengths for d in self.depths]
+
+    def questions(self, key) -> int:
+        return self.needles
+
+    def build(self, cell) -> Built:
         length, depth = cell
-        if facts:
-            built = build_needles_cell(haystack, facts, length, depth)
+        if self.facts:
+            built = build_needles_cell(self.haystack, self.facts, length, depth)
             start = len(built.context)
-            return Prompt(built.context, spans={f"needle_{j}": span for j, span in enumerate(built.spans)},
-                          questions=[Question(suffix, {"question": (start, start + len(suffix))}) for suffix in built.suffixes]), built
-        built = build_cell(haystack, parts, length, depth)
-        return Prompt(built.ids, built.question_start,
-                      {"question": (built.question_start, len(built.ids)), "needle": (built.needle_start, built.needle_end)}), built
+            return Built(Prompt(built.context, spans={f"needle_{j}": span for j, span in enumerate(built.spans)},
+                                questions=[Question(suffix, {"question": (start, start + len(suffix))}) for suffix in built.suffixes]),
+                         data=built)
+        built = build_cell(self.haystack, self.parts, length, depth)
+        return Built(Prompt(built.ids, built.question_start,
+                            {"question": (built.question_start, len(built.ids)), "needle": (built.needle_start, built.needle_end)}),
+                     data=built)
 
-    def cell_records(cell, built, outcomes) -> dict:
+    def record(self, cell, built: Built, i: int, text: str, answer) -> dict:
         length, depth = cell
-        if facts:
-            return needles_records(loaded, outcomes, built, facts, cell, logs, fixed)
-        out = {}
-        for tag, o in outcomes.items():
-            if o.error is not None:
-                out[tag] = o.error
-                continue
-            out[tag] = answer_record(loaded.tokenizer, o, task.answer, length=length, depth=depth, prompt_tokens=len(built.ids),
-                                     needle_token_index=built.needle_start, needle_depth_actual=built.depth_actual,
-                                     question_start=built.question_start, **fixed)
+        response = text.strip()
+        b = built.data
+        if not self.facts:
+            return {"length": length, "depth": depth, "needle_token_index": b.needle_start, "needle_depth_actual": b.depth_actual,
+                    **self.fixed, "response": response, **score_needle_response(response, self.task.answer)}
+        out = {"length": length, "depth": depth, "needles": len(self.facts), "needle_depth": b.depths[i],
+               "needle_token_index": b.spans[i][0], "needle_depth_actual": b.depth_actual[i], **self.fixed,
+               "response": response, **score_needle_response(response, self.facts[i][1])}
+        kept = [answer.diagnostics.get(f"needle_{j}_kept") for j in range(len(self.facts))]
+        if all(k is not None for k in kept):  # the aggregate: mean over the needles (the asked one: needle_<i>_kept)
+            out["needle_kept"] = round(sum(kept) / len(kept), 4)
         return out
 
-    def work_batch(batch_cells, tags) -> list[dict]:
-        """Cells of one length, prefilled and decoded together (task.batch_size; one cell: its own run)."""
-        built = [cell_prompt(cell) for cell in batch_cells]
-        prompts = [p for p, _ in built]
-        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], prompts if len(prompts) > 1 else prompts[0], **options)
-        outcomes = outcomes if len(prompts) > 1 else [outcomes]
-        return [cell_records(cell, b, o) for cell, (_, b), o in zip(batch_cells, built, outcomes)]
+    def summarize(self, rows: list[dict]) -> dict:
+        summary = summarize(rows, self.lengths, self.depths)
+        summary.update(memory_cap=self.cap, prompt_style=self.style)
+        if self.facts:
+            summary.update(needles=self.needles, keep_answers=self.decode["keep_answers"], by_question={
+                str(i): _mean(r["score"] for r in rows if r.get("question_index") == i) for i in range(self.needles)})
+        return summary
 
-    cells = [(n, d) for n in lengths for d in depths]
-    outcome = run_shared_items(cells, logs=logs, key=lambda c: c, work=lambda cell, tags: work_batch([cell], tags)[0],
-                               desc="needle cells", batch_size=batch_size, batch_key=lambda c: c[0], work_batch=work_batch,
-                               failures_paths={s.tag: s.run_dir.path / "failures.json" for s in settings}, progress=progress)
-    from harness.plots import needle_heatmap
+    def finish(self, setting, rows: list[dict], summary: dict) -> None:
+        from harness.plots import needle_heatmap
 
-    results = {}
-    for s in settings:
-        records = logs[s.tag].records
-        rows = [records[k] for c in cells for k in ([(*c, i) for i in range(needles)] if facts else [c]) if k in records]
-        write_csv(s.run_dir.path / "needle_cells.csv", rows)
-        summary = summarize(rows, lengths, depths)
-        summary["failed_cells"] = len(outcome[s.tag].failures)
-        summary["memory_cap"] = cap
-        summary["protocol"] = protocol_name(query_aware)
-        summary["prompt_style"] = style
-        summary["prefill_chunk_size"] = chunk_size
-        if facts:
-            summary.update(needles=needles, keep_answers=keep_answers, by_question={
-                str(i): _mean(r["score"] for r in rows if r.get("question_index") == i) for i in range(needles)})
-        warn_evicted_questions(rows, s.tag)
-        title = f"{loaded.name} · {s.tag} · {protocol_name(query_aware)}"
-        needle_heatmap(rows, s.run_dir.path / "needle_heatmap.png", title=title, score_key="score")
+        title = f"{self.loaded.name} · {setting.tag} · {self.protocol}"
+        needle_heatmap(rows, setting.run_dir.path / "needle_heatmap.png", title=title, score_key="score")
         # every setting, full included (all ones: the full cache keeps every token), as the README promises
         if rows and all(r.get("needle_kept") is not None for r in rows):
-            needle_heatmap(rows, s.run_dir.path / "needle_retention.png", title=f"{title}\nneedle tokens kept in the cache",
+            needle_heatmap(rows, setting.run_dir.path / "needle_retention.png", title=f"{title}\nneedle tokens kept in the cache",
                            score_key="needle_kept")
-        results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
-    return results
 
 
-def protocol_name(query_aware: bool) -> str:
-    return "query_aware" if query_aware else "query_agnostic"
-
-
-def warn_evicted_questions(rows: list[dict], tag: str) -> None:
-    """One warning line when compression evicted part of the question somewhere (query-aware runs)."""
-    hit = [r for r in rows if r.get("question_kept") is not None and r["question_kept"] < 1]
-    if hit:
-        log.warning("%s: the question was partly evicted from the cache in %d of %d items (question_kept < 1; "
-                    "see question_kept_by_layer in the item records)", tag, len(hit), len(rows))
+def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
+    """Every cell of the grid for every setting (harness.tasks.common.Setting), one prefill per cell (contract.run)."""
+    return contract.run(NeedleTask(cfg, loaded), settings, progress=progress)
 
 
 def apply_memory_cap(cap_gb, device) -> str | None:
@@ -213,30 +186,9 @@ def summarize(rows: list[dict], lengths: list[int], depths: list[float]) -> dict
     }
 
 
-def write_csv(path: Path, rows: list[dict]) -> None:
-    several = ["question_index", "needle_depth"] if any("question_index" in r for r in rows) else []
-    fields = ["length", "depth", *several, "prompt_tokens", "needle_token_index", "needle_depth_actual", "protocol", "score",
-              "keyword_recall", "strict", "rouge1_f", "needle_kept", "question_kept", "budget_tokens", "new_tokens",
-              "stopped_by", "prefill_seconds", "decode_seconds", "response"]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def _mean(values):
     values = list(values)
     return round(sum(values) / len(values), 4) if values else None
-
-
-def answer_record(tokenizer, outcome, answer: str, **fields) -> dict:
-    """One answer's record: `fields` (what the item and question are), the response scored against `answer`,
-    the generation's timings and the outcome's diagnostics."""
-    gen = outcome.generation
-    response = tokenizer.decode(gen.tokens[0], skip_special_tokens=True).strip()
-    return {**fields, "response": response, **score_needle_response(response, answer), "new_tokens": len(gen.tokens[0]),
-            "stopped_by": gen.stopped_by[0], "prefill_seconds": round(gen.prefill_seconds, 4),
-            "decode_seconds": round(gen.decode_seconds, 4), **outcome.diagnostics}
 
 
 # --------------------------------------------------------------------------- several needles (task.needles = K)
@@ -311,19 +263,3 @@ def build_needles_cell(haystack: list[int], facts: list[tuple[PromptParts, str]]
     return NeedlesCell(first.prefix + placed.ids, [list(p.suffix) for p, _ in facts], spans, depths, placed.depth_actual)
 
 
-def needles_records(loaded, outcomes, built: NeedlesCell, facts, cell, logs, fixed: dict) -> dict:
-    """Every question's record of one cell for every setting (common.question_records)."""
-    length, depth = cell
-    start = len(built.context)
-
-    def record(i, answer):
-        out = answer_record(loaded.tokenizer, answer, facts[i][1], length=length, depth=depth, question_index=i,
-                            needles=len(facts), needle_depth=built.depths[i], prompt_tokens=start + len(built.suffixes[i]),
-                            needle_token_index=built.spans[i][0], needle_depth_actual=built.depth_actual[i],
-                            question_start=start, **fixed)
-        kept = [out.get(f"needle_{j}_kept") for j in range(len(facts))]
-        if all(k is not None for k in kept):  # the aggregate: mean over the needles (the asked one: needle_<i>_kept)
-            out["needle_kept"] = round(sum(kept) / len(kept), 4)
-        return out
-
-    return question_records(outcomes, len(facts), logs, record)

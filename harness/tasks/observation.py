@@ -681,13 +681,21 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 # ------------------------------------------------------------------------------------------ the run
 
-def run(cfg: DictConfig, loaded: LoadedModel, method, run_dir, progress: bool = True) -> dict:
+def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
+    """The task contract's shape (harness/tasks/contract.py) for a task that generates nothing: it measures the
+    full cache's attention, so every setting must be the full cache; {tag: {"summary", "rows", "failures"}}."""
+    compressing = [s.tag for s in settings if getattr(s.method, "compresses", False)]
+    if compressing:
+        raise HarnessError(f"task=observation measures the full cache; run it with method=full (not {', '.join(compressing)})")
+    return {s.tag: observe(s.cfg, loaded, s.run_dir, progress=progress) for s in settings}
+
+
+def observe(cfg: DictConfig, loaded: LoadedModel, run_dir, progress: bool = True) -> dict:
+    """Every document's prompts observed (common.run_items: resume, progress, failures), then the summary and figures."""
     from harness.methods.engine import attention_modules
     from metrics.needle import keyword_recall
 
     task = cfg.task
-    if method is not None and getattr(method, "compresses", False):
-        raise HarnessError("task=observation measures the full cache; run it with method=full")
     params = params_of(task)
     num_layers = len(attention_modules(loaded.model))
     g = params.generated_queries

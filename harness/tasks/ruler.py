@@ -25,15 +25,15 @@ each question is compressed with the context. Other tasks keep their one questio
 from __future__ import annotations
 
 import bisect
-import csv
 import logging
-from pathlib import Path
 
 from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, Question, QuestionLog, generate_settings, question_records, run_shared_items
+from harness.tasks import contract
+from harness.tasks.common import Prompt, Question
+from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.ruler_data import ALL_TASKS, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper, qa_files, QA_FILES
 from metrics.ruler import metric_for, postprocess_pred, sample_score
 
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")  # both applied (harness.app.check_protocol)
 GRID_KEYS = ("tasks", "lengths", "samples")  # which items run: a run directory takes another grid (rundir)
 TEMPLATES = ("model", "base")
+TABLE_FILE = "ruler_table.md"  # per setting: tasks x lengths and the average (the report compares settings)
 SENTINEL = "\x00RULER\x00"
 ESSAY_TASKS = tuple(t for t, (fam, a) in TASKS.items() if fam == "niah" and a["haystack"] == "essay")
 
@@ -87,10 +88,6 @@ def essay_text(task: DictConfig) -> str:
     from harness.tasks.needle import haystack_files
 
     return "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
-
-
-def protocol_name(query_aware: bool) -> str:
-    return "query_aware" if query_aware else "query_agnostic"
 
 
 class Tokenized:
@@ -143,95 +140,102 @@ class Tokenized:
         return Prompt(ids, question, spans)
 
 
-def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
-    """Every (task, length, sample) for every setting, one prefill per sample. Returns {tag: {"summary", "rows", "failures"}}."""
-    task = cfg.task
-    names, lengths = task_names(task), [int(n) for n in task.lengths]
-    samples, seed = int(task.samples), int(task.seed)
-    query_aware = bool(task.get("query_aware", True))
-    protocol = protocol_name(query_aware)
-    chunk_size = cfg.model.get("prefill_chunk_size")
-    one_key = bool(task.get("one_key_at_a_time") or False)
-    if loaded.max_positions:
-        require(max(lengths) <= loaded.max_positions,
-                f"task.lengths: {max(lengths)} exceeds {loaded.name}'s {loaded.max_positions} positions")
-    tokenized = Tokenized(loaded, str(task.template))
-    essay = essay_text(task) if any(n in ESSAY_TASKS for n in names) else None
-    generated: dict[tuple[str, int], list[Sample]] = {}
+class RulerTask(GenerationTask):
+    """A sample is (task name, length, index); under one key at a time, one question per inserted key."""
 
-    def sample(name: str, length: int, index: int) -> Sample:
-        if (name, length) not in generated:  # RULER's first `samples` samples of this task and length, in order
-            gen = TaskGenerator(name, length, seed=seed, measure=tokenized.measure, count=tokenized.count,
-                                wrapper=tokenized.wrapper, essay=essay, qa_data_dir=task.get("qa_data_dir"),
-                                one_key_at_a_time=one_key)
-            generated[(name, length)] = gen.samples(samples)
-        return generated[(name, length)][index]
+    log_name, key_fields, noun = "ruler_samples", ("task", "length", "index"), "samples"
 
-    by_tag = {s.tag: s for s in settings}
-    if one_key:  # one record per (sample, question): a sample is done once all its questions are
-        logs = {s.tag: QuestionLog(s.run_dir.log("ruler_samples.jsonl", key=("task", "length", "index", "question_index")),
-                                   lambda key: questions_per_sample(key[0], True)) for s in settings}
-    else:
-        logs = {s.tag: s.run_dir.log("ruler_samples.jsonl", key=("task", "length", "index")) for s in settings}
-    log.info("ruler: %d task(s) x %d length(s) x %d sample(s), %d setting(s), %s, template=%s",
-             len(names), len(lengths), samples, len(settings), protocol, task.template)
+    def __init__(self, cfg: DictConfig, loaded: LoadedModel):
+        super().__init__(cfg, loaded)
+        task = self.task
+        self.names, self.lengths = task_names(task), [int(n) for n in task.lengths]
+        self.samples, self.seed = int(task.samples), int(task.seed)
+        self.one_key = self.multi_question = bool(task.get("one_key_at_a_time") or False)
+        if loaded.max_positions:
+            require(max(self.lengths) <= loaded.max_positions,
+                    f"task.lengths: {max(self.lengths)} exceeds {loaded.name}'s {loaded.max_positions} positions")
+        self.tokenized = Tokenized(loaded, str(task.template))
+        self.essay = essay_text(task) if any(n in ESSAY_TASKS for n in self.names) else None
+        self.generated: dict[tuple[str, int], list[Sample]] = {}
+        self.csv_columns = ("task", "length", "index", *(("question_index",) if self.one_key else ()), "protocol", "score",
+                            "prompt_tokens", "question_start", "needle_kept", "question_kept", "budget_tokens", "new_tokens",
+                            "stopped_by", "prefill_seconds", "decode_seconds", "references", "response")
+        log.info("ruler: %d task(s) x %d length(s) x %d sample(s), %s, template=%s",
+                 len(self.names), len(self.lengths), self.samples, self.protocol, task.template)
 
-    def work(item, tags):
+    def items(self) -> list[tuple]:
+        return [(name, n, i) for n in self.lengths for name in self.names for i in range(self.samples)]
+
+    def questions(self, key) -> int:
+        return questions_per_sample(key[0], self.one_key)
+
+    def sample(self, name: str, length: int, index: int) -> Sample:
+        if (name, length) not in self.generated:  # RULER's first `samples` samples of this task and length, in order
+            gen = TaskGenerator(name, length, seed=self.seed, measure=self.tokenized.measure, count=self.tokenized.count,
+                                wrapper=self.tokenized.wrapper, essay=self.essay, qa_data_dir=self.task.get("qa_data_dir"),
+                                one_key_at_a_time=self.one_key)
+            self.generated[(name, length)] = gen.samples(self.samples)
+        s = self.generated[(name, length)][index]
+        if index == self.samples - 1:  # the items run in (length, task, index) order: this task and length are done
+            self.generated.pop((name, length), None)
+        return s
+
+    def build(self, item) -> Built:
+        s = self.sample(*item)
+        prompt = self.tokenized.prompt(s)
+        return Built(prompt, decode={"max_new_tokens": s.tokens_to_generate}, data=s)
+
+    def record(self, item, built: Built, i: int, text: str, answer) -> dict:
         name, length, index = item
-        s = sample(name, length, index)
-        if index == samples - 1:  # the items run in (length, task, index) order: this task and length are done
-            generated.pop((name, length), None)
-        prompt = tokenized.prompt(s)
-        outcomes = generate_settings(loaded, [(t, by_tag[t].method) for t in tags], prompt, query_aware=query_aware,
-                                     chunk_size=chunk_size, max_new_tokens=s.tokens_to_generate, decode_together=bool(cfg.get("decode_together", True)))
-        needle_sizes = {k: b - a for k, (a, b) in prompt.spans.items() if k.startswith("needle_")}
-        asked = s.questions or [(s.text, s.references)]
-        def record(i, o):
-            text, references = asked[i]
-            out = sample_record(o, name, length, index, protocol, references, s, needle_sizes)
-            out["prompt_tokens"] = len(prompt.ids) + (len(prompt.questions[i].ids) if prompt.questions else 0)
-            out["question_start"] = prompt.question_start
-            if one_key:
-                out.update(question_index=i, questions=len(asked), one_key_at_a_time=True)
-            if task.get("log_prompts"):
-                out["prompt"] = text
-            return out
+        s = built.data
+        asked, references = (s.questions or [(s.text, s.references)])[i]
+        # token-weighted mean over the inserted needles (None: the task inserts none, or nothing compressed)
+        kept = [(answer.diagnostics.get(f"{k}_kept"), b - a) for k, (a, b) in built.prompt.spans.items() if k.startswith("needle_")]
+        weight = sum(n for _, n in kept)
+        out = {"task": name, "length": length, "index": index, "references": references, "response": text,
+               "score": sample_score(name, text, references), "answer_prefix": s.answer_prefix,
+               "tokens_to_generate": s.tokens_to_generate,
+               "needle_kept": round(sum(k * n for k, n in kept) / weight, 4) if kept and weight and all(k is not None for k, _ in kept) else None}
+        if self.one_key:
+            out.update(questions=len(s.questions), one_key_at_a_time=True)
+        if self.task.get("log_prompts"):
+            out["prompt"] = asked
+        return out
 
-        out = question_records(outcomes, len(asked), logs, record)
-        # RULER's one question: one record per sample (the log is keyed without question_index)
-        return out if one_key else {tag: v[0] if isinstance(v, list) else v for tag, v in out.items()}
+    def summarize(self, rows: list[dict]) -> dict:
+        summary = summarize(rows, self.names, self.lengths)
+        summary.update(template=str(self.task.template), seed=self.seed, samples_per_task=self.samples,
+                       one_key_at_a_time=self.one_key, tokenizer=getattr(self.loaded.tokenizer, "name_or_path", None))
+        return summary
 
-    def sample_record(o, name, length, index, protocol, references, s, needle_sizes) -> dict:
-        response = loaded.tokenizer.decode(o.generation.tokens[0], skip_special_tokens=True)
-        diag = dict(o.diagnostics)
-        kept = [(diag.get(f"{k}_kept"), n) for k, n in needle_sizes.items()]
-        return {
-            "task": name, "length": length, "index": index, "protocol": protocol,
-            "references": references, "response": response, "score": sample_score(name, response, references),
-            "answer_prefix": s.answer_prefix, "tokens_to_generate": s.tokens_to_generate,
-            "new_tokens": len(o.generation.tokens[0]), "stopped_by": o.generation.stopped_by[0],
-            "prefill_seconds": round(o.generation.prefill_seconds, 4), "decode_seconds": round(o.generation.decode_seconds, 4),
-            # token-weighted mean over the inserted needles (None: the task inserts none, or nothing compressed)
-            "needle_kept": (round(sum(k * n for k, n in kept) / sum(n for _, n in kept), 4)
-                            if kept and all(k is not None for k, _ in kept) and sum(n for _, n in kept) else None),
-            **diag,
-        }
 
-    items = [(name, n, i) for n in lengths for name in names for i in range(samples)]
-    outcome = run_shared_items(items, logs=logs, key=lambda it: it, work=work, desc="ruler samples",
-                               failures_paths={s.tag: s.run_dir.path / "failures.json" for s in settings}, progress=progress)
-    results = {}
-    for s in settings:
-        order = {it: n for n, it in enumerate(items)}
-        rows = sorted((r for k, r in logs[s.tag].records.items() if tuple(k[:3]) in order),
-                      key=lambda r: (order[(r["task"], r["length"], r["index"])], r.get("question_index", 0)))
-        write_csv(s.run_dir.path / "ruler_samples.csv", rows)
-        summary = summarize(rows, names, lengths)
-        summary.update(protocol=protocol, template=str(task.template), seed=seed, samples_per_task=samples, one_key_at_a_time=one_key,
-                       failed_samples=len(outcome[s.tag].failures), prefill_chunk_size=chunk_size,
-                       tokenizer=getattr(loaded.tokenizer, "name_or_path", None))
-        results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
-    return results
+    def finish(self, setting, rows: list[dict], summary: dict) -> None:
+        path = setting.run_dir.path / TABLE_FILE
+        path.write_text(ruler_table(summary, f"{self.loaded.name} · {setting.tag} · {self.protocol}"), encoding="utf-8")
+        log.info("%s: RULER average %s (%s)", setting.tag, summary["average"], path)
+
+
+def ruler_table(summary: dict, title: str) -> str:
+    """The setting's RULER table: one row per length, each task's score (0-100) and RULER's average."""
+    from harness.report_ruler import SHORT
+
+    names = list(summary["tasks"])
+    head = f"| Length | {' | '.join(SHORT.get(n, n) for n in names)} | Avg. |"
+    lines = [f"## RULER · {title}", "", head, "|---:|" + "---:|" * (len(names) + 1)]
+    cell = lambda v: "–" if v is None else f"{v:.2f}"  # noqa: E731
+    for length, part in summary["by_length"].items():
+        star = "" if part["complete"] else "*"
+        lines.append(f"| {length}{star} | {' | '.join(cell(part['tasks'][n]) for n in names)} | {cell(part['average'])} |")
+    lines += ["", f"{summary['samples']} records, {summary['samples_per_task']} sample(s) per task and length, "
+              f"{summary['protocol']}, template={summary['template']}, seed={summary['seed']}"
+              + (", one key at a time" if summary["one_key_at_a_time"] else "")
+              + ". Columns: " + ", ".join(f"{SHORT.get(n, n)} = {n}" for n in names) + "; `*`: a task with no finished sample.", ""]
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
+    """Every (task, length, sample) for every setting, one prefill per sample (contract.run)."""
+    return contract.run(RulerTask(cfg, loaded), settings, progress=progress)
 
 
 def _mean(values) -> float | None:
@@ -273,12 +277,3 @@ def summarize(rows: list[dict], names: list[str], lengths: list[int]) -> dict:
 
 def _round2(v):
     return None if v is None else round(v, 2)
-
-
-def write_csv(path: Path, rows: list[dict]) -> None:
-    fields = ["task", "length", "index", "protocol", "score", "prompt_tokens", "question_start", "needle_kept", "question_kept",
-              "budget_tokens", "new_tokens", "stopped_by", "prefill_seconds", "decode_seconds", "references", "response"]
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import compose, run_cli
-from harness.tasks import lines
+from harness.tasks import contract, lines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LINE = re.compile(r"^line ([a-z]+-[a-z]+): REGISTER_CONTENT is <(\d{5})>$")
@@ -135,13 +135,13 @@ def test_lines_applies_both_protocols_and_chunked_prefill(tmp_path, monkeypatch)
     from harness.app import execute
 
     seen = []
-    real = lines.generate_settings
+    real = contract.generate_settings
 
     def spy(loaded, methods, prompt, **kw):
         seen.append((kw.get("query_aware"), kw.get("chunk_size"), prompt.question_start))
         return real(loaded, methods, prompt, **kw)
 
-    monkeypatch.setattr(lines, "generate_settings", spy)
+    monkeypatch.setattr(contract, "generate_settings", spy)
     base = ["task=lines", "model=tiny-random", "task.lengths=[320]", "task.positions=[50]", "task.max_new_tokens=4",
             "progress=false", "methods=[full,{name: snapkv, budget: 64}]"]
     records = {}

@@ -15,7 +15,7 @@ import torch
 
 from conftest import REPO, compose
 from harness.app import execute
-from harness.tasks import longbench
+from harness.tasks import contract, longbench
 from harness.tasks.longbench_data import load_rows, data_source
 from metrics.longbench import scorer
 from metrics.longbench_config import load_dataset2maxlen
@@ -33,14 +33,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture
 def capped(monkeypatch):
     """Record every generate call the task makes, and cap its new tokens at CAP."""
-    real = longbench.generate_settings
+    real = contract.generate_settings
     calls: list[dict] = []
 
     def wrapper(loaded, methods, prompt, **kwargs):
         calls.append({"prompt_tokens": len(prompt.ids), "question_start": prompt.question_start, **kwargs})
         return real(loaded, methods, prompt, **{**kwargs, "max_new_tokens": min(kwargs["max_new_tokens"], CAP)})
 
-    monkeypatch.setattr(longbench, "generate_settings", wrapper)
+    monkeypatch.setattr(contract, "generate_settings", wrapper)
     return calls
 
 
@@ -221,7 +221,7 @@ def test_merge_scores_in_item_order_with_real_scores(tmp_path):
 
 
 def test_failed_item_is_recorded_not_scored_and_retried(tmp_path, capped, monkeypatch):
-    capping = longbench.generate_settings
+    capping = contract.generate_settings
 
     def flaky(loaded, methods, prompt, **kwargs):
         if len(capped) == 1:  # the second item
@@ -229,13 +229,13 @@ def test_failed_item_is_recorded_not_scored_and_retried(tmp_path, capped, monkey
             raise RuntimeError("CUDA out of memory (simulated)\ndetails")
         return capping(loaded, methods, prompt, **kwargs)
 
-    monkeypatch.setattr(longbench, "generate_settings", flaky)
+    monkeypatch.setattr(contract, "generate_settings", flaky)
     first = run(tmp_path, datasets(["trec"]), "task.limit=2")
     assert first["status"] == "items_failed" and first["failures"] == 1
     assert first["summary"]["status"] == "incomplete" and first["summary"]["message"].startswith("1 item(s) failed")
     failed = json.loads((out(tmp_path) / "failures.json").read_text(encoding="utf-8"))
     assert [(f["task"], f["key"]) for f in failed] == [("trec", [1])]
-    monkeypatch.setattr(longbench, "generate_settings", capping)
+    monkeypatch.setattr(contract, "generate_settings", capping)
     capped.clear()
     second = run(tmp_path, datasets(["trec"]), "task.limit=2")
     assert len(capped) == 1 and second["summary"]["status"] == "complete" and second["failures"] == 0

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO, compose
 from harness.app import execute
 from harness.errors import HarnessError
-from harness.tasks import needle, needle_prompt
+from harness.tasks import contract, needle, needle_prompt
 
 
 
@@ -217,13 +217,13 @@ def test_a_base_model_gets_the_completion_prompt_and_full_writes_its_retention_p
     """model.chat_format=none (a base model such as gemma3-270m): the completion prompt by default, recorded in the
     config, every record and the summary; every setting, full included, writes needle_retention.png."""
     seen = []
-    real = needle.generate_settings
+    real = contract.generate_settings
 
     def spy(loaded, methods, prompt, **kw):
         seen.append(loaded.tokenizer.decode(prompt.ids))
         return real(loaded, methods, prompt, **kw)
 
-    monkeypatch.setattr(needle, "generate_settings", spy)
+    monkeypatch.setattr(contract, "generate_settings", spy)
     args = ["model=tiny-random", "model.chat_format=none", "task.lengths=[200]", "task.depths=[50]", "task.max_new_tokens=2",
             "progress=false", "methods=[full,{name: snapkv, budget: 64}]"]
     cfg = compose(*args)

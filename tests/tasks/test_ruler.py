@@ -249,6 +249,12 @@ def test_tiny_model_run_with_full_and_snapkv(tmp_path, one_thread):
             frac = [sum(ref.lower() in r["response"].strip().lower() for ref in r["references"]) / len(r["references"])
                     for r in mine]
             assert summary["by_length"]["1024"]["tasks"][name] == round(sum(frac) / len(frac) * 100, 2)
+        # the setting's RULER table: one row per length, the task scores and the average as in results.json
+        table = (tmp_path / tag / "ruler_table.md").read_text()
+        scores = per_length["tasks"]
+        assert "| Length | S1 | MV | VT | Avg. |" in table
+        assert (f"| 1024 | {scores['niah_single_1']:.2f} | {scores['niah_multivalue']:.2f} | {scores['vt']:.2f} | "
+                f"{per_length['average']:.2f} |") in table
     snap = [json.loads(line) for line in (tmp_path / tags[1] / "ruler_samples.jsonl").read_text().splitlines()]
     assert all(r["budget_tokens"] == 256 for r in snap)
     assert any(r["needle_kept"] is not None and r["needle_kept"] < 1 for r in snap)
