@@ -230,7 +230,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
             results[s.tag] = {"summary": summary, "rows": [], "failures": failures[s.tag]}
             continue
         summary, rows = score(plan, merged, task, rules)
-        summary["protocol"] = protocol
+        summary.update(protocol=protocol, prefill_chunk_size=cfg.model.get("prefill_chunk_size"))  # as contract.run
         warn_evicted_questions([r for recs in merged.values() for r in recs], s.tag)
         write_text(s.run_dir.path / TABLE_FILE, markdown_table(summary, loaded.name, s.tag))
         results[s.tag] = {"summary": summary, "rows": rows, "failures": failures[s.tag]}
