@@ -118,6 +118,25 @@ def test_h2o_blocked_accumulation_equals_dense(block_size):
     torch.testing.assert_close(got.sum(-1), torch.full((2, 4), 37.0), rtol=1e-5, atol=1e-4)
 
 
+def test_h2o_blocks_on_a_cpu_stay_cache_sized_and_exact(monkeypatch):
+    """On a CPU the rows per block shrink so a block's float32 logits stay within CPU_BLOCK_BYTES (at least 16 rows,
+    never more than block_size); the column sums stay the dense ones."""
+    from harness.methods import h2o
+
+    assert h2o.cpu_block_rows(512, 9, 4096) == (8 << 20) // (4 * 9 * 4096) == 56  # SmolLM2's 9 heads at 4K
+    assert h2o.cpu_block_rows(512, 32, 32768) == 16 and h2o.cpu_block_rows(33, 9, 4096) == 33
+    assert h2o.cpu_block_rows(512, 4, 100) == 512
+    monkeypatch.setattr(h2o, "CPU_BLOCK_BYTES", 4 * 2 * 4 * 37 * 20)  # 20 rows of (batch 2 x 4 heads x 37 keys)
+    rows = []
+    real = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: rows.append(a.shape[2]) or real(a, b))
+    torch.manual_seed(0)
+    queries, keys = torch.randn(2, 4, 37, 8), torch.randn(2, 2, 37, 8)
+    got = accumulated_attention(queries, keys, block_size=500)
+    assert rows == [2 * 20, 2 * 17]  # two blocks of 20 and 17 rows (each KV head's 2 query heads stacked)
+    torch.testing.assert_close(got, dense_accumulated_attention(queries, keys), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("gqa", ["expand", "mean", "max"])
 def test_h2o_keeps_the_heavy_hitters(gqa):
     """Columns 5, 20 and 40 absorb most of the attention of every query that can see them; query
