@@ -203,8 +203,8 @@ def method_setting(method: dict) -> tuple[str, str | None]:
         details = [f"W{method.get('window_size')}", f"k{method.get('kernel_size')}", str(method.get("pooling"))]
         if name == "pyramidkv":
             details.append(f"β{method.get('beta')}")
-    elif name == "h2o":
-        details = [f"W{method.get('window_size')}"]
+    elif name == "h2o":  # no window_size: half of each prompt's resolved budget (the tag's `whalf`)
+        details = [f"W{method.get('window_size')}" if method.get("window_size") is not None else "W half the budget"]
     elif name == "streamingllm":
         details = [f"sinks {method.get('sink_tokens')}"]
     label = f"{base} {budget}" + (f" ({' '.join(details)})" if details else "")

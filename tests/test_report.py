@@ -580,7 +580,7 @@ def test_ratio_settings_are_labelled_with_their_ratio():
 
     ratio = {**SNAPKV_PAPER, "budget": None, "ratio": 0.25, "layer_budgets": None}
     assert method_setting(ratio) == ("SnapKV ratio 0.25 (W32 k7 maxpool)", None)  # never the paper's SnapKV 1024 column
-    assert method_setting({"name": "h2o", "budget": None, "ratio": 0.2, "window_size": None}) == ("H2O ratio 0.2 (WNone)", None)
+    assert method_setting({"name": "h2o", "budget": None, "ratio": 0.2, "window_size": None}) == ("H2O ratio 0.2 (W half the budget)", None)
     assert _lines_setting({"name": "snapkv", "budget": None, "ratio": 0.5, "window_size": 16, "kernel_size": 1}) == \
         "SnapKV ratio 0.5 (W16, no pooling)"
     assert "None" not in _lines_setting({"name": "streamingllm", "budget": None, "ratio": 0.1})
