@@ -71,6 +71,9 @@ PARTS: dict[str, Part] = {
                       "SnapKV/PyramidKV/StreamingLLM/H2O at compression ratios 0.25/0.5/0.75", ("ruler_cpu",), "CPU (hours)"),
     "ruler_gemma_cpu": Part("RULER on a CPU at three lengths: Gemma 3 270M, RULER 4K/8K/16K (11 synthetic tasks x 10), both "
                             "protocols, full + SnapKV at compression ratios 0.25/0.5/0.75", ("ruler_gemma_cpu",), "CPU (hours)"),
+    "ruler_methods_cpu": Part("Every method on RULER on a CPU: SmolLM2-135M, RULER 4K (11 synthetic tasks x 10), both "
+                              "protocols, full + the 15 methods at compression ratios 0.25/0.5/0.75",
+                              ("ruler_methods_cpu",), "CPU (hours)"),
 }
 DEFAULT_PARTS = ("longbench", "needle", "speed")
 SMOKE_PARTS: dict[str, Part] = {
