@@ -33,8 +33,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "torch==2.13.0 ${pins[*]}" ]; the
   [ -x "$kv/bin/python" ] || python3 -m venv "$kv"
   pip=("$kv/bin/python" -m pip install --disable-pip-version-check -q)
   if ! "$kv/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
-    # --no-index: only the local wheels (pip's find-links); an index would hand out the CUDA build
-    quiet "${pip[@]}" --no-index "torch==2.13.0" || {
+    # --no-index: only the local wheels (pip's find-links); an index would hand out the CUDA build. --no-deps:
+    # torch's own requirements (filelock, sympy, ...) are not among the local wheels; they come with kvpress below
+    quiet "${pip[@]}" --no-index --no-deps "torch==2.13.0" || {
       echo "error: no local CPU wheel of torch 2.13.0; install one into $kv first (a CPU build), then rerun" >&2; exit 2; }
   fi
   constraints="$(mktemp)"

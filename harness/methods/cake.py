@@ -51,21 +51,36 @@ def token_scores(attn: torch.Tensor, gamma: float, kernel_size: int) -> torch.Te
 def allocate(preferences: list[float], per_layer: int, cap: int) -> list[int]:
     """Layer budgets (selected positions, window excluded): shares of (per_layer x N) by preference,
     int-cast, capped at `cap` with the excess spread over the layers under the cap, then the total
-    restored to per_layer x N (spread over the layers that can still move), as the authors' code."""
+    restored to per_layer x N (spread over the layers that can still move), as the authors' code.
+
+    The authors' adjust_budgets spreads the excess once, and can push a layer that was under the cap
+    over it (then their top-k asks for more positions than the layer has). That happens when the
+    budget is a large share of the prompt (kvpress's ratios: keep 0.75 of 4K) and preferences are
+    skewed; here the capping repeats until no layer exceeds the cap (water-filling). Where the
+    authors' single pass stays under the cap, which is every case they run (C = 1024 on long
+    contexts), the budgets are theirs exactly."""
     n = len(preferences)
     total = per_layer * n
     whole = sum(preferences)
     budgets = [int(p / whole * total) if whole > 0 else per_layer for p in preferences]
-    excess = sum(max(b - cap, 0) for b in budgets)
-    budgets = [min(b, cap) for b in budgets]
-    if excess > 0:
-        _spread(budgets, excess, [i for i, b in enumerate(budgets) if b < cap])
+    _cap_and_spread(budgets, cap)
     diff = total - sum(budgets)
     if diff > 0:
         _spread(budgets, diff, [i for i, b in enumerate(budgets) if b < cap])
+        _cap_and_spread(budgets, cap)
     elif diff < 0:
         _spread(budgets, diff, [i for i, b in enumerate(budgets) if b > 1])
     return budgets
+
+
+def _cap_and_spread(budgets: list[int], cap: int) -> None:
+    """Cap every layer at `cap`, the excess spread over the layers under it, until none exceeds it."""
+    while (excess := sum(max(b - cap, 0) for b in budgets)) > 0:
+        budgets[:] = [min(b, cap) for b in budgets]
+        eligible = [i for i, b in enumerate(budgets) if b < cap]
+        if not eligible:  # every layer full: the total exceeds cap x N (a budget past the prompt)
+            return
+        _spread(budgets, excess, eligible)
 
 
 def _spread(budgets: list[int], amount: int, eligible: list[int]) -> None:

@@ -50,6 +50,21 @@ def test_allocation_follows_preferences_caps_and_keeps_the_total():
     assert allocate([1.0, 1.0, 8.0], per_layer=10, cap=20) == [5, 5, 20]
 
 
+def test_allocation_never_exceeds_the_layer_when_the_budget_is_most_of_the_prompt():
+    # kvpress-style ratios keep most of the prompt. 4 layers, 64 selected positions each on average (total
+    # 256), prefix 70; shares 120:68:60:8 of 256 (exact in binary) -> 120, 68, 60, 8. The authors' single
+    # pass caps 120 at 70 and spreads the excess 50 over the three others (+17, +17, +16) -> 70, 85, 77, 24:
+    # two layers over the prefix they have. Repeated: 85 and 77 capped (excess 15 + 7 = 22) onto the only
+    # layer left under the cap -> 70, 70, 70, 46 (total 256).
+    assert allocate([120.0, 68.0, 60.0, 8.0], per_layer=64, cap=70) == [70, 70, 70, 46]
+    # every layer at the cap when the budget is the whole prefix
+    assert allocate([120.0, 68.0, 60.0, 8.0], per_layer=70, cap=70) == [70, 70, 70, 70]
+    for prefs, per_layer, cap in [([1.0, 1.0, 1.0, 1.0, 96.0], 95, 100), ([5.0, 80.0, 5.0, 10.0], 75, 96),
+                                  ([0.1] * 20 + [50.0] * 10, 2960, 3968)]:  # the last: SmolLM2's 30 layers at 4K
+        budgets = allocate(prefs, per_layer, cap)
+        assert max(budgets) <= cap and sum(budgets) == per_layer * len(prefs), (prefs, budgets)
+
+
 def test_cake_keeps_per_layer_budgets_that_sum_to_the_total():
     torch.manual_seed(1)
     method = build_method({"name": "cake", "budget": 20, "window_size": 4, "gamma": 200.0, "tau1": 1.0, "tau2": 1.0,
