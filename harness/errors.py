@@ -13,3 +13,13 @@ class HarnessError(Exception):
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise HarnessError(message)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Out of memory on the device or the host (CPU allocators raise a RuntimeError that says so)."""
+    import torch
+
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)

@@ -47,6 +47,7 @@ import copy
 import dataclasses
 import inspect
 import sys
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -55,7 +56,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, is_out_of_memory
 from harness.methods import ragged
 from harness.methods.base import CompressionMethod, LayerStats, Selection, repeat_kv
 
@@ -224,6 +225,7 @@ class MethodState:
     selections: dict[int, Selection] = field(default_factory=dict)  # held until its cache is built
     deferred: dict[int, tuple] = field(default_factory=dict)  # across-layer methods: (keys, values, summary) per layer
     extra: dict = field(default_factory=dict)  # what a method adds to its item's diagnostics (extra forwards, ...)
+    error: BaseException | None = None  # this method's own failure on this item (Session.guarded): its setting fails alone
 
     # The single-method view the tests and tasks read: layer -> (heads, length).
     @property
@@ -340,16 +342,39 @@ class Session:
             rotary = None if self.rotary is None else (lambda positions, _i=idx: self.rotary(_i, positions))
             stats = LayerStats(idx, self.num_layers, queries=queries, column_sums=sums,
                                scaling=getattr(module, "scaling", None), module=module, rotary=rotary)
-            for state in self.states.values():
-                if state.method.across_layers:  # decides once every layer is summarised (holds this layer until then)
-                    state.deferred[idx] = (keys, values, state.method.summarize(keys, values, stats))
-                else:
-                    self._store(state, idx, layer, state.method.select(keys, values, stats), keys, values)
+            for state in self.live_states():
+                with self.guarded(state):
+                    if state.method.across_layers:  # decides once every layer is summarised (holds this layer until then)
+                        state.deferred[idx] = (keys, values, state.method.summarize(keys, values, stats))
+                    else:
+                        self._store(state, idx, layer, state.method.select(keys, values, stats), keys, values)
             del stats
             if not self.in_place and not self.keep_full:  # the full layer is no longer needed by anyone:
                 # fresh empty tensors (a zero-length slice would be a view holding the whole storage)
                 layer.keys, layer.values = _empty_sequence(keys), _empty_sequence(values)
         return None
+
+    def live_states(self) -> list[MethodState]:
+        """The methods still compressing this item (not failed)."""
+        return [state for state in self.states.values() if state.error is None]
+
+    @contextmanager
+    def guarded(self, state: MethodState):
+        """One method's compression step. A runtime error of that method fails its own setting alone
+        (`state.error`, its held layers dropped; the runner records the failure for that setting) while the
+        others compress and decode on, as each would in its separate run. Out of memory, or an error of the
+        only method (the one cache is its own), still ends the forward: memory errors split the shared
+        prefill into smaller groups (generate_settings). The error keeps its traceback as text only, so its
+        frames (the layers the method was reading) are released now."""
+        try:
+            yield
+        except RuntimeError as exc:
+            if self.in_place or is_out_of_memory(exc):
+                raise
+            exc.add_note("".join(traceback.format_exception(exc, limit=-3)).rstrip())
+            state.error = exc.with_traceback(None)
+            state.selections.clear()
+            state.deferred.clear()
 
     def _store(self, state: MethodState, idx: int, layer, sel: Selection, keys, values) -> None:
         """Record what `state`'s method kept of layer `idx` and store it (in the one cache, or for cache_for)."""
@@ -377,16 +402,18 @@ class Session:
             return None
         self.finished = True
         cache = _find_cache(args, kwargs)
-        for state in self.states.values():
+        for state in self.live_states():
             if state.deferred:
                 held = dict(sorted(state.deferred.items()))
                 state.deferred.clear()
-                context = FinishContext(self, model, cache, held, torch.cat(self.context_ids, dim=1), self.tokenizer, state)
-                selections = state.method.finish({i: summary for i, (_, _, summary) in held.items()},
-                                                 {i: (k, v) for i, (k, v, _) in held.items()}, self.num_layers, context)
-                for i, (keys, values, _) in held.items():
-                    self._store(state, i, cache.layers[i], selections[i], keys, values)
-                del held, selections, context
+                with self.guarded(state):
+                    context = FinishContext(self, model, cache, held, torch.cat(self.context_ids, dim=1), self.tokenizer, state)
+                    selections = state.method.finish({i: summary for i, (_, _, summary) in held.items()},
+                                                     {i: (k, v) for i, (k, v, _) in held.items()}, self.num_layers, context)
+                    for i, (keys, values, _) in held.items():
+                        self._store(state, i, cache.layers[i], selections[i], keys, values)
+                    del selections, context
+                del held
         self.context_ids.clear()
         return None
 
@@ -396,6 +423,8 @@ class Session:
         if self.in_place:
             return shared
         state = self.states[tag]
+        if state.error is not None:  # its compression failed: there is no cache to hand out
+            raise state.error
         cache = copy.copy(shared)
         cache.layers = []
         for idx, layer in enumerate(shared.layers):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 import torch
 from tqdm import tqdm
 
-from harness.errors import HarnessError
+from harness.errors import HarnessError, is_out_of_memory
 from harness.models import LoadedModel, load_model
 from harness.rundir import JsonlLog, write_json
 
@@ -251,14 +251,6 @@ def _warn_if_nothing_compressible(loaded: LoadedModel, session) -> None:
                         "(results equal the full cache)", loaded.name)
 
 
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Out of memory on the device or the host (CPU allocators raise a RuntimeError that says so)."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
 def _release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -348,7 +340,8 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
     captured during that prefill (engine.py), each batch row on its own. Then `_answer` asks every
     setting the question: the rest of the prompt prefilled on top of its own cache (query-agnostic),
     then decoding. A method that does not compress (`full`) answers from the prefill's own cache. A
-    runtime or out-of-memory error in one setting's answer fails that setting's item only. Every
+    runtime or out-of-memory error in one setting's answer, or a runtime error in its compression, fails
+    that setting's item only. Every
     setting's tokens equal a separate run's.
 
     A prompt of K questions (`Prompt.questions`) gives each setting a `QuestionOutcomes`. Query-agnostic:
@@ -387,7 +380,8 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
             logits = prefill(model, cache, ids, chunk_size=chunk_size, before_last=lambda: setattr(session, "compress_now", True))
             _sync(model)
             shared_seconds = time.perf_counter() - start
-            bases = {tag: session.cache_for(tag, cache) if m.compresses else cache for tag, m in order}
+            failed = {tag: state.error for tag, state in session.states.items() if state.error is not None}
+            bases = {tag: session.cache_for(tag, cache) if m.compresses else cache for tag, m in order if tag not in failed}
             del cache
             _warn_if_nothing_compressible(loaded, session)
             kept = {tag: [{i: _row_positions(r.positions, b, rows) for i, r in session.states[tag].layers.items()}
@@ -402,6 +396,10 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
                     asking, last = asked[0][number], number == numbers_here[-1]
                     for tag, method in order:
                         key = (tag, number)
+                        if tag in failed:  # its compression failed (Session.guarded): this setting's item fails alone
+                            for b in range(rows):
+                                results[(*key, b)] = Outcome(None, {}, failed[tag])
+                            continue
                         if keep_answers and answers[0][tag] and answers[0][tag][-1].error is not None:
                             for b in range(rows):
                                 results[(*key, b)] = Outcome(None, {}, answers[0][tag][-1].error)  # its conversation broke
