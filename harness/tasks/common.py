@@ -341,8 +341,7 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
     setting the question: the rest of the prompt prefilled on top of its own cache (query-agnostic),
     then decoding. A method that does not compress (`full`) answers from the prefill's own cache. A
     runtime or out-of-memory error in one setting's answer, or a runtime error in its compression, fails
-    that setting's item only. Every
-    setting's tokens equal a separate run's.
+    that setting's item only. Every setting's tokens equal a separate run's.
 
     A prompt of K questions (`Prompt.questions`) gives each setting a `QuestionOutcomes`. Query-agnostic:
     the context is prefilled and compressed once; each question is asked on a rollback copy of every
@@ -385,7 +384,7 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
             del cache
             _warn_if_nothing_compressible(loaded, session)
             kept = {tag: [{i: _row_positions(r.positions, b, rows) for i, r in session.states[tag].layers.items()}
-                          if tag in session.states else {} for b in range(rows)] for tag, _ in order}
+                          if tag in session.states else {} for b in range(rows)] for tag, _ in order if tag not in failed}
             talks: dict[str, Turn] = {}  # keep_answers: each setting's conversation so far
             # Independent questions are asked all at once (every setting x question decodes in one batch); multi-turn
             # (keep_answers) asks them in order, each after the previous answers.
