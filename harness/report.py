@@ -17,7 +17,8 @@ Collects every `results.json` under the folder (recursively) and writes `<out>/<
 - `paired_deltas.md|csv`: every compressed setting minus the full cache run on the same items (same model,
   task, protocol and task settings), per LongBench task, on the LongBench average and on the needle mean, with
   a 95% paired bootstrap interval (harness/stats.py); CSV columns `setting, task, delta, ci_low, ci_high, n`.
-- `runs.csv`: every results.json found, and which table it went into (or why none).
+- `runs.csv`: every results.json found, which table it went into (or why none), and the code version(s) of its
+  records (`code`; README.md names every version and the runs that mix them: harness/report_versions.py).
 - `README.md`: all the Markdown tables in one page.
 
 Rows never merge runs that differ in a recorded rule (chat formatting, first-token guard, code_sim
@@ -905,22 +906,27 @@ def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_fi
 
     sections += ruler_sections(runs, out, resamples=resamples, seed=seed)
 
+    from harness.report_versions import code_column, run_versions, versions_paragraph  # code versions behind the tables
+
+    versions = {run.rel: run_versions(run) for run in runs}
     run_rows = []
     for run in runs:
         if not run.used_in and not run.note:
             run.note = f"task {run.task!r} has no table"
         run_rows.append({"run": run.rel, "task": run.task, "model": run.model.get("name"), "method": run.data.get("method_tag"),
                          "status": run.data.get("status") or (run.data.get("summary") or {}).get("status") or "complete",
-                         "failures": run.data.get("failures"), "device": run.device, "tables": " ".join(run.used_in), "note": run.note})
+                         "failures": run.data.get("failures"), "device": run.device, "tables": " ".join(run.used_in),
+                         "code": code_column(versions[run.rel]), "note": run.note})
     run_rows += [{"run": rel, "note": why} for rel, why in bad]
-    write_csv(out / "runs.csv", run_rows, ["run", "task", "model", "method", "status", "failures", "device", "tables", "note"])
+    write_csv(out / "runs.csv", run_rows, ["run", "task", "model", "method", "status", "failures", "device", "tables", "code", "note"])
     written["runs_table"] = run_rows
 
     skipped = [r for r in run_rows if not r.get("tables")]
     head = [f"# Results: {out.name}", "",
             f"Built by `python -m harness.report` from {len(runs)} run(s) under `{folder}`"
             + (f" ({len(skipped)} without a table: see runs.csv)" if skipped else "") + ". "
-            "Each table also as CSV next to this file; every row names its run directory (`run` column).", ""]
+            "Each table also as CSV next to this file; every row names its run directory (`run` column).", "",
+            *versions_paragraph(runs, versions)]
     if not sections:
         head.append("No LongBench, needle or benchmark results were found.")
     (out / "README.md").write_text("\n".join(head) + "\n" + "\n".join(md for _, md in sections), encoding="utf-8")

@@ -137,6 +137,25 @@ def code_changes(records: Iterable[dict | None]) -> list[str]:
     return list(dict.fromkeys(changes))
 
 
+def record_codes(folder: Path) -> list:
+    """The `_code` of every complete record in `folder`'s .jsonl files (None where absent)."""
+    codes: list = []
+    for path in sorted(Path(folder).rglob("*.jsonl")):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        for line in data[: data.rfind(b"\n") + 1].splitlines():  # a torn last line is cut by JsonlLog
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:  # JsonlLog refuses it, with its line number
+                continue
+            codes.append(record.get(CODE_FIELD) if isinstance(record, dict) else None)
+    return codes
+
+
 def _maybe_kill(stage: str) -> None:
     spec = os.environ.get(KILL_ENV)
     if not spec:
@@ -405,24 +424,6 @@ class RunDir:
             self._lock.release()
             self._lock = None
 
-    def record_codes(self) -> list:
-        """The `_code` of every complete record in the directory's .jsonl files (None where absent)."""
-        codes: list = []
-        for path in sorted(self.path.rglob("*.jsonl")):
-            try:
-                data = path.read_bytes()
-            except OSError:
-                continue
-            for line in data[: data.rfind(b"\n") + 1].splitlines():  # a torn last line is cut by JsonlLog
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:  # JsonlLog refuses it, with its line number
-                    continue
-                codes.append(record.get(CODE_FIELD) if isinstance(record, dict) else None)
-        return codes
-
     def check(self, cfg: DictConfig, *, resume: bool | str) -> None:
         """Everything `prepare` would refuse, without writing anything: the folder is writable and does
         not hold a run with a different config, nor records of other code or library versions (unless
@@ -446,7 +447,7 @@ class RunDir:
                     f"{self.path} holds a run with a different config ({describe_differences(old, resolved, diff)}); "
                     "use another run directory (hydra.run.dir=<folder>), or resume=false to start this one afresh"
                 )
-        changes = code_changes(self.record_codes())
+        changes = code_changes(record_codes(self.path))
         if changes and mode != "force":
             raise HarnessError(
                 f"{self.path} holds records written by other code or libraries ({'; '.join(changes)}); resuming would mix "
