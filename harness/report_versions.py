@@ -9,6 +9,7 @@ version, the git commits its sessions ran at, how many runs it made, and which r
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 from harness.rundir import record_codes
@@ -31,12 +32,22 @@ def run_versions(run) -> Counter:
     return counts
 
 
+def _sessions(run) -> list:
+    """The provenance of every session the run was made of: results.json's (the last session), and
+    provenance.json's `earlier_sessions` (resumed runs), where the run directory still has it."""
+    sessions = [run.data.get("provenance") or {}]
+    try:
+        stored = json.loads((run.path.parent / "provenance.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return sessions
+    return sessions + [stored] + list(stored.get("earlier_sessions") or []) if isinstance(stored, dict) else sessions
+
+
 def commits_by_fingerprint(runs) -> dict[str, set[str]]:
     """fingerprint -> the git commits (7 hex digits, `+dirty`) of the sessions that recorded it (this one and earlier)."""
     out: dict[str, set[str]] = {}
     for run in runs:
-        prov = run.data.get("provenance") or {}
-        for session in [prov, *(prov.get("earlier_sessions") or [])]:
+        for session in _sessions(run):
             fingerprint = (session.get("code") or {}).get("fingerprint") if isinstance(session, dict) else None
             git = session.get("git") if isinstance(session, dict) else None
             if fingerprint and isinstance(git, dict) and git.get("commit"):
