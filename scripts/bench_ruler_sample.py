@@ -13,7 +13,14 @@ one process and interleaved:
 The budget is P + sum over settings of (that setting's generated tokens x D): one full-cache prefill plus one
 full-cache decode of each setting's own answer. Prints per task the grid's wall time, the budget and their ratio
 (<= 1: within budget), and the grid's prefill against P (what compressing 12 ways at once adds: H2O's column
-sums over every query are a second O(L^2) pass). Times are medians over `--repeats` after one warm-up.
+sums over every query are a second O(L^2) pass). Times are medians over `--repeats` after one warm-up of each (the
+full run and the grid: a run's first grid sample also pays the allocator's growth to the grid's memory, once per
+process; every later sample of a run costs what is measured here).
+
+`--alone` also runs every compressing setting by itself (one prefill, its compression, its decode: its separate
+run) and prints it against its own share of the budget: P + its generated tokens x D. A setting that exceeds that
+alone (H2O: its column sums are an O(L^2) pass over every query, part of its definition) cannot fit the budget in
+any grid whose other settings do not save the difference in decode steps.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--query-aware", default="true", choices=("true", "false"))
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--alone", action="store_true", help="also run each compressing setting by itself")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (e.g. model=...)")
     args = parser.parse_args(argv)
 
@@ -70,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         out = fn()
         return time.perf_counter() - start, out
 
-    rows = []
+    rows, lone = [], []
     for name in names:
         built = task.build((name, args.length, 0))
         options = dict(query_aware=task.query_aware, decode_together=True, **built.decode)
         alone = lambda: generate_settings(loaded, full, built.prompt, **options)  # noqa: E731
         grid = lambda: generate_settings(loaded, settings, built.prompt, **options)  # noqa: E731
-        timed(alone)  # warm-up
+        timed(alone), timed(grid)  # warm-up of both: the process's allocator grows to the grid's memory once
         prefill, step, walls, grid_prefill = [], [], [], []
         for _ in range(args.repeats):
             _, out = timed(alone)
@@ -90,10 +98,23 @@ def main(argv: list[str] | None = None) -> int:
         p, d, w = statistics.median(prefill), statistics.median(step), statistics.median(walls)
         budget = p + sum(tokens.values()) * d
         rows.append((name, len(built.prompt.ids), w, budget, p, statistics.median(grid_prefill), d, sum(tokens.values())))
+        for tag, method in settings if args.alone else ():
+            if tag == "full":
+                continue
+            wall, out = timed(lambda: generate_settings(loaded, [(tag, method)], built.prompt, **options))
+            gen = out[tag].generation
+            n = len(gen.tokens[0])
+            lone.append((name, tag, n, wall, p + n * d, gen.prefill_seconds, gen.decode_seconds))
     print("| task | prompt tokens | grid wall s | budget s | ratio | full prefill s | grid prefill s | full decode ms/token | tokens (all settings) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, n, w, budget, p, gp, d, tokens in rows:
         print(f"| {name} | {n} | {w:.1f} | {budget:.1f} | {w / budget:.2f}x | {p:.1f} | {gp:.1f} | {d * 1000:.0f} | {tokens} |")
+    if lone:
+        print("\nEach compressing setting alone (its separate run) against its own share of the budget, P + tokens x D:\n")
+        print("| task | setting | tokens | alone wall s | its budget s | ratio | prefill + compression s | decode s |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for name, tag, n, wall, budget, pre, dec in lone:
+            print(f"| {name} | {tag} | {n} | {wall:.1f} | {budget:.1f} | {wall / budget:.2f}x | {pre:.1f} | {dec:.1f} |")
     return 0
 
 
