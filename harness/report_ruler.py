@@ -28,6 +28,10 @@ SHORT = {"niah_single_1": "S1", "niah_single_2": "S2", "niah_single_3": "S3", "n
          "vt": "VT", "cwe": "CWE", "fwe": "FWE", "qa_1": "QA1", "qa_2": "QA2"}
 
 
+# Methods whose `ratio` is one budget over every layer and head (no per-head `budget_tokens` in their records).
+GLOBAL_BUDGET_METHODS = ("kvzip",)
+
+
 def _items(run) -> dict[tuple, float]:
     """(task, length, index) -> the sample's RULER score (0-100)."""
     return {(r["task"], int(r["length"]), int(r["index"])): float(r["score"])
@@ -37,7 +41,9 @@ def _items(run) -> dict[tuple, float]:
 def removed_fraction(run) -> float | None:
     """kvpress's compression ratio: the fraction of the compressed part's KV entries removed (0 for full),
     from each sample's resolved budget and its compressed length (the whole prompt query-aware, the
-    context query-agnostic); None when the rows do not say."""
+    context query-agnostic). A method with one budget over every layer and head (KVzip) records no
+    per-head budget; its `ratio` is by construction the fraction of all the compressed part's entries
+    kept, so 1 - ratio. None when neither says."""
     if method_name(run) == "full":
         return 0.0
     shares = []
@@ -46,7 +52,12 @@ def removed_fraction(run) -> float | None:
         end = r.get("prompt_tokens") if run.protocol == "query_aware" else r.get("question_start")
         if isinstance(budget, (int, float)) and end:
             shares.append(min(1.0, budget / end))
-    return round(1 - sum(shares) / len(shares), 4) if shares else None
+    if shares:
+        return round(1 - sum(shares) / len(shares), 4)
+    method = run.data.get("method") or {}
+    if method.get("name") in GLOBAL_BUDGET_METHODS and isinstance(method.get("ratio"), (int, float)):
+        return round(1 - float(method["ratio"]), 4)
+    return None
 
 
 def paired(run, full, length: int, tasks: list[str], resamples: int, seed: int) -> dict:
@@ -114,22 +125,24 @@ def _line_name(row: dict) -> str:
 
 
 def ratio_figure(rows: list[dict], path: Path, title: str) -> None:
-    """The leaderboard's view: RULER average vs the compression ratio, one line per method (full at 0)."""
+    """The leaderboard's view: RULER average vs the compression ratio, one line per method (full at 0). Up to
+    20 methods get their own colour, markers repeat in another order, and the legend sits outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
     full = [r for r in rows if r["method"] == "full" and r["average"] is not None]
     by_method: dict[str, list] = {}
     for r in rows:
         if r["method"] != "full" and r["removed"] is not None and r["average"] is not None:
             by_method.setdefault(_line_name(r), []).append((r["removed"], r["average"]))
+    fig, ax = plt.subplots(figsize=(6 + 3.5 * bool(by_method), 4))
+    colours, markers = plt.get_cmap("tab20").colors, "osD^vP*Xh<>p"
     start = [(0.0, full[0]["average"])] if full else []
-    for name, points in sorted(by_method.items()):
+    for i, (name, points) in enumerate(sorted(by_method.items())):
         xs, ys = zip(*sorted(start + points))
-        ax.plot(xs, ys, marker="o", label=name)
+        ax.plot(xs, ys, marker=markers[i % len(markers)], color=colours[(2 * i) % 20 + (2 * i) // 20 % 2], label=name)
     if full:
         ax.axhline(full[0]["average"], color="black", linestyle="--", linewidth=1, label="full")
     ax.set_xlabel("compression ratio (fraction of the compressed part's KV removed)")
@@ -137,9 +150,9 @@ def ratio_figure(rows: list[dict], path: Path, title: str) -> None:
     ax.set_xlim(-0.02, 1.0)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

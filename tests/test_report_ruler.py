@@ -39,6 +39,8 @@ def test_ruler_table_paired_deltas_and_picture(tmp_path):
     _write(runs, "agn/full", {"name": "full"}, "full", "query_agnostic", full)
     _write(runs, "agn/snapkv", {"name": "snapkv", "ratio": 0.25, "window_size": 32, "kernel_size": 7, "pooling": "maxpool"},
            "snapkv_r0.25", "query_agnostic", snap, budget=975)
+    # KVzip: one budget over every layer and head, no per-head budget in its records; ratio 0.5 kept -> 0.5 removed
+    _write(runs, "agn/kvzip", {"name": "kvzip", "ratio": 0.5, "budget": None}, "kvzip_r0.5", "query_agnostic", full)
     # a query-aware run: never paired with the query-agnostic full run
     _write(runs, "aware/snapkv", {"name": "snapkv", "ratio": 0.25, "window_size": 32, "kernel_size": 7, "pooling": "maxpool"},
            "snapkv_r0.25", "query_aware", snap, budget=1000)
@@ -56,7 +58,7 @@ def test_ruler_table_paired_deltas_and_picture(tmp_path):
     # removed: query-agnostic compresses the 3900-token context, 975 kept -> 1 - 975/3900 = 0.75;
     # query-aware compresses all 4000 tokens, 1000 kept -> 0.75; full removes nothing
     assert float(table["agn/snapkv"]["removed"]) == 0.75 and float(table["aware/snapkv"]["removed"]) == 0.75
-    assert float(table["agn/full"]["removed"]) == 0.0
+    assert float(table["agn/full"]["removed"]) == 0.0 and float(table["agn/kvzip"]["removed"]) == 0.5
     # task columns and the average: (60 + 88) / 2 = 74 for snapkv; (100 + 88) / 2 = 94 for full
     assert float(table["agn/snapkv"]["average"]) == 74.0 and float(table["agn/full"]["average"]) == 94.0
     assert float(table["agn/snapkv"]["vt"]) == 88.0
