@@ -28,10 +28,6 @@ SHORT = {"niah_single_1": "S1", "niah_single_2": "S2", "niah_single_3": "S3", "n
          "vt": "VT", "cwe": "CWE", "fwe": "FWE", "qa_1": "QA1", "qa_2": "QA2"}
 
 
-# Methods whose `ratio` is one budget over every layer and head (no per-head `budget_tokens` in their records).
-GLOBAL_BUDGET_METHODS = ("kvzip",)
-
-
 def _items(run) -> dict[tuple, float]:
     """(task, length, index) -> the sample's RULER score (0-100)."""
     return {(r["task"], int(r["length"]), int(r["index"])): float(r["score"])
@@ -54,8 +50,11 @@ def removed_fraction(run) -> float | None:
             shares.append(min(1.0, budget / end))
     if shares:
         return round(1 - sum(shares) / len(shares), 4)
+    from harness.methods import METHODS
+
     method = run.data.get("method") or {}
-    if method.get("name") in GLOBAL_BUDGET_METHODS and isinstance(method.get("ratio"), (int, float)):
+    one_budget = getattr(METHODS.get(method.get("name")), "GLOBAL_BUDGET", False)
+    if one_budget and isinstance(method.get("ratio"), (int, float)):
         return round(1 - float(method["ratio"]), 4)
     return None
 

@@ -101,6 +101,7 @@ def reconstruction_scores(query: torch.Tensor, key: torch.Tensor, start: int, en
 class KVzip(CompressionMethod):
     name = "kvzip"
     EXACT_BUDGET = False  # kept counts vary by head or layer (tests/methods/test_baselines.py)
+    GLOBAL_BUDGET = True  # one budget over every layer and head: `ratio` is the fraction of all entries kept
     across_layers = True
     supports_sliding_layers = False
     supports_batches = False  # one sequence at a time (kvpress: batch 1)
