@@ -137,11 +137,12 @@ def ratio_figure(rows: list[dict], path: Path, title: str) -> None:
         if r["method"] != "full" and r["removed"] is not None and r["average"] is not None:
             by_method.setdefault(_line_name(r), []).append((r["removed"], r["average"]))
     fig, ax = plt.subplots(figsize=(6 + 3.5 * bool(by_method), 4))
-    colours, markers = plt.get_cmap("tab20").colors, "osD^vP*Xh<>p"
+    pairs = plt.get_cmap("tab20").colors  # 10 hues, each dark then light: all the dark ones first
+    colours, markers = pairs[0::2] + pairs[1::2], "osD^vP*Xh<>p"
     start = [(0.0, full[0]["average"])] if full else []
     for i, (name, points) in enumerate(sorted(by_method.items())):
         xs, ys = zip(*sorted(start + points))
-        ax.plot(xs, ys, marker=markers[i % len(markers)], color=colours[(2 * i) % 20 + (2 * i) // 20 % 2], label=name)
+        ax.plot(xs, ys, marker=markers[i % len(markers)], color=colours[i % len(colours)], label=name)
     if full:
         ax.axhline(full[0]["average"], color="black", linestyle="--", linewidth=1, label="full")
     ax.set_xlabel("compression ratio (fraction of the compressed part's KV removed)")
