@@ -32,11 +32,12 @@ from harness.methods.scoring import WrappedScorer, kvpress_fraction, per_head, s
 
 def value_output_norms(values: torch.Tensor, module) -> torch.Tensor:
     """(B, Hq, L): ||v_j W_O^(h)||_1 for every query head h (its KV head's values through its o_proj slice),
-    in the values' dtype, one head at a time (the (B, L, D) product of one head is the largest temporary)."""
+    in float32 (half-precision products would reorder near-equal norms), one head at a time (the (B, L, D) product of one head is the largest temporary)."""
     require(module is not None and hasattr(module, "o_proj"),
             "criticalkv needs the attention module's output projection o_proj (LayerStats.module)")
     hkv, d = values.shape[1], values.shape[-1]
-    weight = module.o_proj.weight  # (D, Hq * d)
+    weight = module.o_proj.weight.float()  # (D, Hq * d)
+    values = values.float()
     hq = weight.shape[1] // d
     per_query_head = weight.transpose(0, 1).reshape(hq, d, weight.shape[0])
     groups = hq // hkv

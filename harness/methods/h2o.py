@@ -14,13 +14,16 @@ at prefill, from the prompt's accumulated attention and then never evicts (gener
 appended, as in SnapKV). It is the H2O that SnapKV's paper compares against on LongBench and the
 `H2OKVCluster` that KVCache-Factory runs (there with a recent window of 8). See docs/methods.md.
 
-Numerics: logits `q k^T / sqrt(d)` in the model dtype, causal mask, softmax in float32 (as the
-KVCache-Factory code), column sums accumulated in float32 (KVCache-Factory casts the
-probabilities back to the model dtype before summing; float32 accumulation only removes rounding).
+Numerics: logits `q k^T / sqrt(d)` in float32 from the model-dtype queries and keys, causal mask,
+softmax in float32 (as the KVCache-Factory code), column sums accumulated in float32. KVCache-Factory
+computes the logits in the model dtype and casts the probabilities back to it before summing: the same
+numbers in a float32 run; in half precision that rounding reorders near-equal scores (and an fp16 sum
+over more than 65,504 queries overflows), so here the ranking is the float64 one of the same inputs
+(tests/test_half_precision.py).
 
 Memory: the queries are processed in blocks of `block_size` rows; a block only needs the keys up
 to its last row (causality), so the largest temporaries are the block's logits (B, Hq, block_size,
-L) in the model dtype and their float32 softmax, about B * Hq * block_size * L * 6 bytes in bf16
+L) and their softmax, both float32, about B * Hq * block_size * L * 8 bytes
 (32 heads, 32K tokens, block 512: ~3 GiB; lower `block_size` for longer prompts), and no L x L
 matrix per head is ever materialized. The result is exact for any block size: each softmax row's
 normalizer only involves that row. On a CPU the rows per block are further capped so a block's logits
@@ -74,12 +77,13 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_si
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
     block_size = cpu_block_rows(block_size, b * hq, length) if queries.device.type == "cpu" else block_size
     totals = torch.zeros(b, hkv, groups, length, dtype=torch.float32, device=queries.device)
+    keys = keys.float()  # logits in float32: half-precision logits reorder near-equal scores (one copy, not per block)
     for start in range(0, n_queries, block_size):
         end = min(start + block_size, n_queries)
         n = end - start
         visible = offset + end  # keys this block's last row can see
         q = queries[:, :, start:end].reshape(b, hkv, groups * n, d)  # a query group's rows stacked
-        logits = torch.matmul(q, keys[:, :, :visible].transpose(-1, -2)) * scale  # model dtype; keys not copied
+        logits = torch.matmul(q.float(), keys[:, :, :visible].transpose(-1, -2)) * scale  # float32; keys not copied
         logits = logits.view(b, hkv, groups, n, visible)
         future = torch.ones(n, n, dtype=torch.bool, device=queries.device).triu(1)  # only the diagonal block
         logits[..., offset + start:visible].masked_fill_(future, torch.finfo(logits.dtype).min)

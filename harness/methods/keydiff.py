@@ -25,6 +25,7 @@ from harness.methods.scoring import KVScorer
 
 def keydiff_scores(keys: torch.Tensor) -> torch.Tensor:
     """(B, Hkv, L): -cos(k_j, mean_i k_i / ||k_i||) per KV head."""
+    keys = keys.float()  # half-precision rounding would reorder near-equal similarities (tests/test_half_precision.py)
     anchor = F.normalize(keys, p=2, dim=-1).mean(dim=2, keepdim=True)
     return -F.cosine_similarity(keys, anchor, dim=-1)
 

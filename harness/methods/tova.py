@@ -2,8 +2,9 @@
 
 Score of position j: the softmax attention of the LAST prompt token's (post-RoPE) query over all L
 keys, averaged over every query head of the layer; the same scores rank every head, so each layer
-keeps one set of positions. Logits in the model dtype, softmax in float32 cast back (kvpress's
-recomputation); the module's own softmax scale where it is not 1/sqrt(d) (Gemma).
+keeps one set of positions. Logits and softmax in float32 (kvpress recomputes the logits in the model
+dtype and casts the weights back: the same in float32 runs; see snapkv.window_attention for half
+precision); the module's own softmax scale where it is not 1/sqrt(d) (Gemma).
 
 `window_size` is how many trailing positions are kept outside the ranking:
 - 1 (default) = kvpress 0.5.5's `TOVAPress`: the last token gets max + 1 (always kept, inside the budget);
