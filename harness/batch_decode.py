@@ -19,11 +19,11 @@ causal mask among themselves; a ragged layer its per-head mask; a sliding layer 
 mask). Each setting's attention is therefore the very call its separate decode makes; only the
 row-batched matrix products differ, in rounding.
 
-Full-attention layers grow in place: at the first step each setting's entries move once into a
-buffer with room for the tokens still to come, and its cache layer holds a view of the filled part
-(DynamicCache's own update concatenates, copying every layer at every step). After the call the
-caches hold everything appended, as after a separate decode (views into buffers with at most
-`max_new_tokens` + question entries of spare room).
+Every layer grows in place (harness/methods/inplace.py, as in a separate decode): each setting's
+entries sit in a buffer with room for the tokens still to come (one copy at the first step where
+they did not), and its cache layer holds a view of the filled part (DynamicCache's own update
+concatenates, copying every layer at every step). After the call the caches hold everything
+appended, as after a separate decode.
 
 Why not one padded tensor: the settings differ in length (`full` keeps the whole prompt, a
 compressed setting its budget), per layer (PyramidKV, per-layer budgets) and in heads (expand vs
@@ -64,6 +64,7 @@ from harness.decoding import _sync, greedy_decode, prefill
 from harness.errors import HarnessError
 from harness.methods.base import repeat_kv
 from harness.methods.engine import _observing, attention_modules, causal_suffix_mask
+from harness.methods.inplace import append
 
 SUPPORTED_ATTENTION = ("eager", "sdpa")
 
@@ -86,17 +87,14 @@ class _RowsLayer(CacheLayerMixin):
     returned for the attention call that follows; sizes the model asks for (masks of sliding layers)
     are the first setting's, which equal every other's (checked by `refusal`).
 
-    A full-attention layer grows in place: on its first update each setting's entries move into a
-    buffer with `room` more entries, and the setting's layer holds a view of the filled part from then
-    on (DynamicLayer's own update concatenates, copying the whole layer at every step; here only the
-    new entries are written). New keys/values are expanded to the layer's heads where it holds more
-    than the model computes (gqa=expand), as the engine's expanded layer class does. Sliding-window
-    layers (bounded by the model) use their own update."""
+    A full-attention layer appends in place (inplace.append, with `room` more entries when it needs a
+    new buffer), whatever class the setting's layer has. New keys/values are expanded to the layer's
+    heads where it holds more than the model computes (gqa=expand), as the engine's expanded layer class
+    does. Sliding-window and ragged layers (bounded by the model, per-head layout) use their own update."""
 
-    def __init__(self, idx: int, rows: list, bounds: list[tuple[int, int]], room: int, buffers: dict):
+    def __init__(self, idx: int, rows: list, bounds: list[tuple[int, int]], room: int):
         super().__init__()
         self.idx, self.rows, self.bounds, self.room = idx, rows, bounds, room
-        self.buffers = buffers  # id(setting's layer) -> (keys, values) buffers of its full-attention layer
         self.pending: list | None = None
         self.is_initialized = True
 
@@ -122,18 +120,11 @@ class _RowsLayer(CacheLayerMixin):
 
     def _append(self, i: int, keys, values):
         layer = self.rows[i]
-        length, new = layer.keys.shape[2], keys.shape[2]
         groups = layer.keys.shape[1] // keys.shape[1]
         if groups > 1:
             keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
-        buffers = self.buffers.get(id(layer))
-        if buffers is None or buffers[0].shape[2] < length + new or buffers[0].data_ptr() != layer.keys.data_ptr():  # the first update (or out of room): one copy
-            size = length + max(new, self.room)
-            buffers = tuple(old.new_empty((*old.shape[:2], size, old.shape[3])) for old in (layer.keys, layer.values))
-            buffers[0][:, :, :length], buffers[1][:, :, :length] = layer.keys, layer.values
-            self.buffers[id(layer)] = buffers
-        buffers[0][:, :, length:length + new], buffers[1][:, :, length:length + new] = keys, values
-        layer.keys, layer.values = buffers[0][:, :, :length + new], buffers[1][:, :, :length + new]
+        layer.keys = append(layer.keys, keys, 2, room=self.room)[1]
+        layer.values = append(layer.values, values, 2, room=self.room)[1]
         return layer.keys, layer.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -168,15 +159,16 @@ def _per_head_mask(idx: int, inputs, query: torch.Tensor) -> torch.Tensor:
 
 class RowsCache(Cache):
     """Several settings' caches as one batch: rows [lo, hi) of the forward belong to cache i; `room`:
-    how many entries each full-attention layer will still receive (buffers are sized for them);
-    `buffers`: the growing buffers, shared with an earlier RowsCache over the same layers."""
+    how many entries each layer will still receive (a new buffer is sized for them)."""
 
-    def __init__(self, caches: list[Cache], room: int = 0, buffers: dict | None = None):
+    def __init__(self, caches: list[Cache], room: int = 0):
         sizes = [int(c.layers[0].keys.shape[0]) for c in caches]
         ends = torch.tensor(sizes).cumsum(0).tolist()
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
-        buffers = {} if buffers is None else buffers
-        layers = [_RowsLayer(i, [c.layers[i] for c in caches], self.bounds, room, buffers) for i in range(len(caches[0].layers))]
+        for c in caches:  # the settings' own layers (ragged, sliding) size their buffers from it too
+            for layer in c.layers:
+                layer._kvharness_room = max(int(getattr(layer, "_kvharness_room", 0) or 0), int(room))
+        layers = [_RowsLayer(i, [c.layers[i] for c in caches], self.bounds, room) for i in range(len(caches[0].layers))]
         super().__init__(layers=layers)
 
     def drop_finished(self, finished: list[bool]) -> list[int]:
@@ -294,7 +286,6 @@ def decode_together(model, caches: list[Cache], first_logits: list[torch.Tensor 
     if len(starts) > 1 and any(getattr(layer, "is_sliding", False) for layer in caches[0].layers):
         raise HarnessError("decode_together: caches at different positions on a model with sliding-window layers")
     room = int(decode_options.get("max_new_tokens", 0)) + max((0 if s is None else s.shape[1] for s in suffixes), default=0)
-    buffers: dict = {}  # shared by the suffix forwards and the decode: each layer moves into its buffer once
     device = caches[0].layers[0].keys.device
     logits, suffix_seconds = list(firsts), [0.0] * n
     groups: dict = {}
@@ -302,7 +293,7 @@ def decode_together(model, caches: list[Cache], first_logits: list[torch.Tensor 
         if ids is not None:
             groups.setdefault((end, tuple(ids.reshape(-1).tolist())), []).append(i)
     for (end, ids), members in groups.items():
-        part = RowsCache([caches[i] for i in members], room, buffers)
+        part = RowsCache([caches[i] for i in members], room)
         suffix_ids = torch.tensor([ids], dtype=torch.long, device=device).expand(part.bounds[-1][1], -1)
         with _attention_per_setting(model, part):
             _sync(device)
@@ -312,7 +303,7 @@ def decode_together(model, caches: list[Cache], first_logits: list[torch.Tensor 
             seconds = time.perf_counter() - start
         for i, (lo, hi) in zip(members, part.bounds):
             logits[i], suffix_seconds[i] = out[lo:hi], seconds
-    batch = RowsCache(caches, room, buffers)
+    batch = RowsCache(caches, room)
     bounds = list(batch.bounds)  # each cache's rows of the result (the batch drops settings as they finish)
     rows = torch.cat([torch.full((hi - lo,), end, dtype=torch.long) for (lo, hi), end in zip(batch.bounds, ends)])
     positions = int(rows[0]) if len(set(ends)) == 1 else rows.to(device)

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 
 @dataclass
@@ -115,6 +114,9 @@ def greedy_decode(
     stopped = ["length"] * batch
     steps: list[float] = []
     active, positions = list(range(batch)), prompt_length  # the rows still computed (logits has one row each)
+    from harness.methods.inplace import reserve
+
+    reserve(cache, max_new_tokens)  # room for every token to come: appends write in place (at most one copy now)
     for t in range(max_new_tokens):
         if banned is not None and t < min_new_tokens:
             logits = logits.clone()
@@ -164,7 +166,9 @@ def greedy_generate(
     """Greedy decoding of `input_ids` (B, L), no padding: one prefill (logits for the last position
     only; in chunks of `chunk_size` tokens if given), then one token at a time at true positions.
     `decode_options` as `greedy_decode`."""
-    cache = DynamicCache(config=model.config)
+    from harness.methods.inplace import in_place_cache
+
+    cache = in_place_cache(model, room=max_new_tokens)  # appends in place: no per-step copy of the cache
     _sync(model)
     start = time.perf_counter()
     logits = prefill(model, cache, input_ids, chunk_size=chunk_size)

@@ -419,7 +419,8 @@ class Session:
 
     def cache_for(self, tag: str, shared: Cache) -> Cache:
         """The cache method `tag` decodes from: its compressed layers, the shared sliding layers (their
-        tensors are shared: cache updates replace tensors, never write into them)."""
+        tensors are shared: an append writes in place only past its buffer's fill mark, which no other
+        holder sees, harness/methods/inplace.py)."""
         if self.in_place:
             return shared
         state = self.states[tag]
@@ -578,5 +579,9 @@ def compression(model, methods, *, keep_full: bool = False, tokenizer=None):
             session.sums.clear()
 
 
-def new_cache(model) -> DynamicCache:
-    return DynamicCache(config=model.config)
+def new_cache(model, room: int = 0) -> DynamicCache:
+    """An empty cache for `model` whose layers append in place (harness/methods/inplace.py); `room`: entries
+    to reserve for what will be appended after the first update."""
+    from harness.methods.inplace import in_place_cache
+
+    return in_place_cache(model, room)

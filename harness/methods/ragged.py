@@ -14,7 +14,8 @@ the entries whose owner is h's head (h itself when selections are per query head
 per KV head), and among appended entries only those at or before its own step (causal). SDPA and eager
 attention take such a mask as they are; FlashAttention cannot (no per-head mask): refused in one line.
 
-New tokens are appended for every head at once (token-major: token t's entries for heads 0..H-1).
+New tokens are appended for every head at once (token-major: token t's entries for heads 0..H-1), in
+place into reserved room (harness/methods/inplace.py), the owner/order bookkeeping alike.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from harness.methods.base import repeat_kv
+from harness.methods.inplace import MIN_ROOM, append
 
 # layer index -> the mask inputs of the ragged layer updated last (written by `update` right before
 # that layer's attention call, read by the observer in the same call).
@@ -70,13 +72,14 @@ def _update(self, key_states, value_states, *args, **kwargs):
     key_states, value_states = repeat_kv(key_states, groups), repeat_kv(value_states, groups)  # (B, H, t, d)
     b, h, t, d = key_states.shape
     assert h == heads, (h, heads)
-    self.keys = torch.cat([self.keys, key_states.transpose(1, 2).reshape(b, 1, t * h, d)], dim=2)
-    self.values = torch.cat([self.values, value_states.transpose(1, 2).reshape(b, 1, t * h, d)], dim=2)
+    room = max(int(getattr(self, "_kvharness_room", 0) or 0), MIN_ROOM) * h
+    self.keys = append(self.keys, key_states.transpose(1, 2).reshape(b, 1, t * h, d), 2, room=room)[1]
+    self.values = append(self.values, value_states.transpose(1, 2).reshape(b, 1, t * h, d), 2, room=room)[1]
     step = self._kvharness_step
     new_owner = torch.arange(h, device=self.keys.device).repeat(t).expand(b, -1)
     new_order = torch.arange(step, step + t, device=self.keys.device).repeat_interleave(h).expand(b, -1)
-    self._kvharness_owner = torch.cat([self._kvharness_owner, new_owner], dim=1)
-    self._kvharness_order = torch.cat([self._kvharness_order, new_order], dim=1)
+    self._kvharness_owner = append(self._kvharness_owner, new_owner, 1, room=room)[1]
+    self._kvharness_order = append(self._kvharness_order, new_order, 1, room=room)[1]
     self._kvharness_step = step + t
     _PENDING[self._kvharness_layer] = (self._kvharness_owner, self._kvharness_order, step, heads)
     return self.keys, self.values

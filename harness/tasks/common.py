@@ -535,8 +535,9 @@ def _answer(loaded: LoadedModel, turns: dict, logits: torch.Tensor, *, together:
 
 def rollback_copy(cache):
     """A cache to ask one question on and drop: the same tensors as `cache`, its own cache and layer objects.
-    Cache updates replace a layer's tensors (torch.cat) and reassign its counters (a sliding-window layer's
-    `cumulative_length`), never write into them, so whatever the copy appends leaves `cache` as it was.
+    Cache updates append in place only past their buffer's fill mark, which no other holder of the tensors
+    sees, and copy otherwise (harness/methods/inplace.py); they reassign counters (a sliding-window layer's
+    `cumulative_length`), so whatever the copy appends leaves `cache` as it was.
     The layer class is kept (gqa=expand's expanding subclass, sliding-window layers)."""
     import copy
 
