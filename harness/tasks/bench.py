@@ -495,7 +495,11 @@ def aggregate(rows: list[dict], labels: list[str], lengths: list[int]) -> list[d
                 "prefill_cpu_s": _median(r.get("prefill_cpu_s") for r in rs),
                 "compress_cpu_s": _median(r.get("compress_cpu_s") for r in rs),
                 "decode_cpu_median_ms": _pct([s for r in rs for s in r.get("step_cpu_ms") or []], 50),
+                "copy_bandwidth_bytes_per_s": _median(r.get("copy_bandwidth_bytes_per_s") for r in rs),
+                "weight_bytes": first.get("weight_bytes"),
+                "dtype": first.get("dtype"),
             })
+    add_bounds(table)
     full = {e["length"]: e for e in table if e["method"] == "full"}
     for e in table:
         f = full.get(e["length"])
@@ -512,6 +516,33 @@ def aggregate(rows: list[dict], labels: list[str], lengths: list[int]) -> list[d
         e["prefill_cpu_overhead_pct"] = (_pct_of(e["prefill_cpu_s"] - f["prefill_cpu_s"], f["prefill_cpu_s"])
                                          if f and e["prefill_cpu_s"] is not None and f["prefill_cpu_s"] is not None else None)
     return table
+
+
+def add_bounds(table: list[dict]) -> None:
+    """Decode against the memory bound (issue 33). A decode step reads the weights and the live cache once:
+    `decode_bound_ms` = (weights + cache after prefill) / the copy bandwidth measured in the same run;
+    `decode_vs_bound` = the median step / that bound; `decode_above_bound_ms` = what the step costs beyond it
+    (the fixed per-step cost: framework calls, small kernels, and the cache's own excess). The cache's marginal
+    cost against its own bound, `cache_cost_vs_bound`: the step-time difference from the method's shortest
+    length to this one over the cache-bytes difference / bandwidth (None at the shortest length, or where the
+    cache did not grow: a compressed cache of the same size)."""
+    shortest: dict = {}
+    for e in table:
+        if e["label"] not in shortest or e["length"] < shortest[e["label"]]["length"]:
+            shortest[e["label"]] = e
+    for e in table:
+        bandwidth, step = e.get("copy_bandwidth_bytes_per_s"), e.get("decode_median_ms")
+        if not bandwidth or e.get("weight_bytes") is None or step is None:
+            e.update(decode_bound_ms=None, decode_vs_bound=None, decode_above_bound_ms=None, cache_cost_vs_bound=None)
+            continue
+        bound = 1000 * (e["weight_bytes"] + e["kv_bytes"]) / bandwidth
+        e["decode_bound_ms"] = round(bound, 3)
+        e["decode_vs_bound"] = _ratio(step, bound)
+        e["decode_above_bound_ms"] = round(step - bound, 3)
+        base = shortest[e["label"]]
+        grown = e["kv_bytes"] - base["kv_bytes"]
+        e["cache_cost_vs_bound"] = (_ratio(step - base["decode_median_ms"], 1000 * grown / bandwidth)
+                                    if base is not e and grown > 0 and base.get("decode_median_ms") is not None else None)
 
 
 def _ratio(a, b):
@@ -533,7 +564,9 @@ def summarize(table: list[dict], labels: list[str], lengths: list[int], isolatio
                               "decode_p90_ms", "decode_ms_per_token", "decode_tokens_per_s", "decode_vs_full", "decode_vs_full_at_budget_length",
                               "kv_bytes", "kv_bytes_analytic", "kv_full_over_this", "peak_increase_bytes", "peak_vs_full",
                               "prefill_cpu_s", "compress_cpu_s", "compress_cpu_pct_of_full_prefill", "prefill_cpu_overhead_pct",
-                              "decode_cpu_median_ms", "decode_cpu_vs_full", "decode_cpu_vs_full_at_budget_length")}
+                              "decode_cpu_median_ms", "decode_cpu_vs_full", "decode_cpu_vs_full_at_budget_length",
+                              "copy_bandwidth_bytes_per_s", "decode_bound_ms", "decode_vs_bound", "decode_above_bound_ms",
+                              "cache_cost_vs_bound", "dtype")}
     summary["by_method"] = by_label
     longest = max((e["length"] for e in table), default=None)
     summary["at_longest_length"] = {
@@ -670,6 +703,20 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
                 f"({_f(e['compress_cpu_pct_of_full_prefill'], '{:.1f}%')}) | {_f(e['prefill_cpu_overhead_pct'], '{:+.1f}%')} "
                 f"| {_f(e['decode_cpu_median_ms'], '{:.1f}')} | {_f(e['decode_cpu_vs_full'], '{:.2f}x')} "
                 f"| {_f(e['decode_cpu_vs_full_at_budget_length'], '{:.2f}x')} |")
+    if any(e.get("decode_bound_ms") is not None for e in table):
+        lines += ["", "Decode against the memory bound: a step reads the weights and the live cache once; bound = (weights + "
+                      "cache after prefill) ÷ the copy bandwidth measured before each measurement (bytes read + written by a "
+                      "256 MB copy, the fastest of 3). Above bound: the fixed per-step cost (framework calls, small kernels) "
+                      "plus the cache's excess. Cache cost × bound: the step-time growth from the method's shortest length "
+                      "over the cache growth ÷ bandwidth (1.0 = the cache costs only its reads).", "",
+                  "| method | prompt | dtype | GB/s | weights MB | KV MB | bound ms | decode ms/step | × bound | above bound ms | cache cost × bound |",
+                  "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for e in table:
+            lines.append(
+                f"| {e['label']} | {e['length']} | {e.get('dtype') or '–'} | {_f(e['copy_bandwidth_bytes_per_s'] and e['copy_bandwidth_bytes_per_s'] / 1e9, '{:.1f}')} "
+                f"| {_f(e['weight_bytes'] and e['weight_bytes'] / MB, '{:.0f}')} | {e['kv_bytes'] / MB:.1f} | {_f(e['decode_bound_ms'], '{:.1f}')} "
+                f"| {_f(e['decode_median_ms'], '{:.1f}')} | {_f(e['decode_vs_bound'], '{:.2f}x')} | {_f(e['decode_above_bound_ms'], '{:.1f}')} "
+                f"| {_f(e['cache_cost_vs_bound'], '{:.2f}x')} |")
     if summary.get("loadavg_1m_max") is not None:
         lines += ["", f"Highest 1-minute load average seen before a measurement: {summary['loadavg_1m_max']} "
                       f"({os.cpu_count()} CPUs here); a load above the CPU count means other work shared the machine."]

@@ -55,7 +55,7 @@ import traceback
 
 import torch
 
-from harness.decoding import greedy_generate
+from harness.decoding import _sync, greedy_generate
 from harness.methods import build_method, compression
 from harness.methods.engine import attention_modules
 
@@ -310,6 +310,30 @@ def measured_kv(cache, appended: int, prompt_length: int | None = None) -> dict:
     return {"kv_bytes_final": final, "kv_bytes": after, "cache_heads": heads, "kept_tokens": kept}
 
 
+def copy_bandwidth(device, nbytes: int = 256 << 20, repeats: int = 3) -> float:
+    """The machine's memory bandwidth now, in bytes per second: the fastest of `repeats` copies of an `nbytes`
+    buffer (bytes read + bytes written over the copy's time), measured right before a measurement so that the
+    decode bound below shares its load. A decode step reads the weights and the live cache once."""
+    device = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # pages touched before timing
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * nbytes / best
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters (tied weights once): what every decode step reads."""
+    return int(sum(p.numel() * p.element_size() for p in model.parameters()))
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -427,6 +451,7 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
         mmap_regime = int(prefill_mmap_threshold)
     hooks = _cpu_time_hooks(model, cpu_marks, (lambda: set_mmap_threshold(DECODE_MMAP_THRESHOLD)) if mmap_regime else None) \
         if device.type == "cpu" else []
+    bandwidth = copy_bandwidth(device)
     gc_was_enabled = gc.isenabled()
     with PeakMeter(devices) as meter:
         gc.disable()  # no collector pauses inside timed decode steps
@@ -479,6 +504,9 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
         "threads": torch.get_num_threads(),
         "prefill_mmap_threshold": mmap_regime,
         "kv_bytes": kv["kv_bytes"],
+        "copy_bandwidth_bytes_per_s": round(bandwidth),
+        "weight_bytes": weight_bytes(model),
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "kv_bytes_analytic": analytic,
         "kv_bytes_final": kv["kv_bytes_final"],
         "cache_heads": sorted(set(kv["cache_heads"])),

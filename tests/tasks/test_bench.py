@@ -142,6 +142,12 @@ def test_bench_end_to_end_then_resume(tmp_path, monkeypatch):
     table = (tmp_path / "bench_table.md").read_text()
     assert "| mean | 256 |" in table and "4.00x" in table and "2.00x" in table
     assert json.loads((tmp_path / "results.json").read_text())["summary"]["measurements"] == 12
+    for label in ("full", "mean", "expand"):  # the memory bound, measured in the same run
+        entry = at256[label]["256"]
+        assert entry["copy_bandwidth_bytes_per_s"] > 1e8 and entry["decode_bound_ms"] > 0 and entry["decode_vs_bound"] > 0
+    assert at256["full"]["256"]["cache_cost_vs_bound"] is not None and at256["full"]["64"]["cache_cost_vs_bound"] is None
+    assert at256["mean"]["256"]["cache_cost_vs_bound"] is None  # a compressed cache of the same size: no growth
+    assert "| × bound |" in table and "cache cost × bound" in table
 
     # Resume: drop two finished rows; a rerun measures exactly those two and keeps the others.
     log_path = tmp_path / "bench_rows.jsonl"
@@ -421,3 +427,25 @@ def test_kv_bytes_of_hybrid_sliding_layers(one_thread):
         assert r["kept_tokens"] == r["kept_tokens_analytic"] == kept and r["cache_heads"] == heads
     short = measure(model, _opts(FULL), 8, batch_size=1, decode_tokens=12, seed=0)  # 8 + 12 > 15: the window fills while decoding
     assert short["kept_tokens"] == [8] and short["kv_bytes"] == short["kv_bytes_analytic"]
+
+
+def test_decode_bound_from_weights_cache_and_bandwidth():
+    """The bound is (weights + cache) / bandwidth; the cache's marginal cost compares step growth with cache growth."""
+    from harness.tasks.bench import add_bounds
+
+    gb = 10 ** 9
+    table = [
+        {"label": "full", "length": 1024, "decode_median_ms": 70.0, "kv_bytes": gb // 20, "weight_bytes": gb // 2,
+         "copy_bandwidth_bytes_per_s": 20 * gb},
+        {"label": "full", "length": 8192, "decode_median_ms": 100.0, "kv_bytes": 8 * gb // 20, "weight_bytes": gb // 2,
+         "copy_bandwidth_bytes_per_s": 20 * gb},
+        {"label": "snap", "length": 8192, "decode_median_ms": 71.0, "kv_bytes": gb // 20, "weight_bytes": gb // 2,
+         "copy_bandwidth_bytes_per_s": 20 * gb},
+    ]
+    add_bounds(table)
+    full1k, full8k, snap = table
+    assert full1k["decode_bound_ms"] == 27.5  # (0.5 + 0.05) GB / 20 GB/s
+    assert full8k["decode_bound_ms"] == 45.0  # (0.5 + 0.4) GB / 20 GB/s
+    assert full1k["decode_vs_bound"] == round(70 / 27.5, 4) and full1k["decode_above_bound_ms"] == 42.5
+    assert full8k["cache_cost_vs_bound"] == round(30.0 / 17.5, 4)  # 30 ms more for 0.35 GB more (17.5 ms of reads)
+    assert full1k["cache_cost_vs_bound"] is None and snap["cache_cost_vs_bound"] is None
