@@ -362,6 +362,20 @@ def _what_loads(cfg) -> str:
     return f"model.path={cfg.get('path')} (model.source={cfg.source})"
 
 
+CPU_FLOAT16_MAX_PARAMETERS = 10_000_000  # the tiny test models; SmolLM2-135M is far above
+
+
+def _refuse_cpu_float16(model, dtype, cfg) -> None:
+    """float16 on a CPU has no native kernels here: ~50x slower than float32 (issue 33). Tiny models only,
+    unless `model.allow_cpu_float16=true`."""
+    if dtype != torch.float16 or next(model.parameters()).device.type != "cpu" or cfg.get("allow_cpu_float16"):
+        return
+    count = sum(p.numel() for p in model.parameters())
+    if count > CPU_FLOAT16_MAX_PARAMETERS:
+        raise HarnessError(f"model.dtype=float16 on a CPU runs ~50x slower than float32 ({cfg.name}: {count / 1e6:.0f}M "
+                           "parameters); use model.dtype=bfloat16 or float32, or +model.allow_cpu_float16=true to run it anyway")
+
+
 def load_model(cfg) -> LoadedModel:
     """Load the model described by a `conf/model/*.yaml` node."""
     from transformers import AutoModelForCausalLM
@@ -409,6 +423,10 @@ def load_model(cfg) -> LoadedModel:
         model.to(device)
     model.eval()
     model.requires_grad_(False)
+    _refuse_cpu_float16(model, dtype, cfg)
+    from harness.cpu_attention import use_matmul_decode
+
+    info["cpu_decode_attention"] = use_matmul_decode(model, str(cfg.get("cpu_decode_attention") or "matmul"))
     # The tokenizer's EOS only when the tokenizer is the model's own: SmolLM2's stand-in (random weights) has
     # EOS id 2, which is <bos> for Gemma 3.
     own_tokenizer = info.get("tokenizer") != EMBEDDED_TOKENIZER

@@ -282,7 +282,7 @@ def test_scoring_softmaxes_run_in_float32(dtype):
     torch.manual_seed(0)
     q = (torch.randn(1, 4, 8, 16) * 8).to(dtype)
     k = (torch.randn(1, 2, 40, 16) * 8).to(dtype)
-    attn = window_attention(q, k, scaling=0.25)
+    attn = window_attention(q, k, 8, scaling=0.25)
     assert attn.dtype == torch.float32
     torch.testing.assert_close(attn.sum(-1), torch.ones_like(attn.sum(-1)), atol=1e-5, rtol=0)
     sums = accumulated_attention(q, k, block_size=3, offset=32, scaling=0.25)

@@ -1,0 +1,82 @@
+"""Decode-step attention on a CPU as two matmuls (harness/cpu_attention.py), and float16 refused on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import compose
+from harness.cpu_attention import single_query_attention, use_matmul_decode
+from harness.decoding import greedy_generate
+from harness.errors import HarnessError
+from harness.models import load_model
+from tiny_models import tiny_model
+
+
+def reference(query, key, value, mask, scaling):
+    """torch's SDPA with the keys expanded to the query heads (no grouping in play)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    out = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=None if mask is None else
+                                         (mask if mask.dtype == torch.bool else mask.float()), scale=scaling)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)], ids=str)
+@pytest.mark.parametrize("layout", ["gqa", "expanded", "ragged", "bool_mask"])
+def test_single_query_attention_equals_sdpa(dtype, tol, layout):
+    gen = torch.Generator().manual_seed(0)
+    b, hq, d, k = 2, 6, 16, 37
+    hkv = {"gqa": 2, "expanded": 6, "ragged": 1, "bool_mask": 3}[layout]
+    query = torch.randn(b, hq, 1, d, generator=gen).to(dtype)
+    key, value = (torch.randn(b, hkv, k, d, generator=gen).to(dtype) for _ in range(2))
+    mask = None
+    if layout == "ragged":  # a per-head additive mask in the dtype's own minimum (ragged.pending_mask)
+        visible = torch.rand(b, hq, 1, k, generator=gen) < 0.5
+        visible[..., 0] = True
+        mask = torch.zeros(b, hq, 1, k, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    elif layout == "bool_mask":
+        mask = torch.rand(b, 1, 1, k, generator=gen) < 0.7
+        mask[..., 0] = True
+    got, none = single_query_attention(query, key, value, mask, 0.3)
+    assert none is None and got.shape == (b, 1, hq, d) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), reference(query, key, value, mask, 0.3), atol=tol, rtol=tol)
+
+
+def test_a_cpu_model_decodes_the_same_tokens_with_either_path(one_thread):
+    model = tiny_model("llama", attn="sdpa")
+    ids = torch.randint(3, 1000, (1, 50), generator=torch.Generator().manual_seed(0))
+    plain = greedy_generate(model, ids, max_new_tokens=12, ignore_eos=True).tokens
+    calls = []
+    from harness.cpu_attention import MARK
+
+    assert use_matmul_decode(model) == "matmul"
+    import harness.cpu_attention as cpu_attention
+
+    real = cpu_attention.single_query_attention
+    cpu_attention.single_query_attention = lambda *a: calls.append(1) or real(*a)
+    try:
+        fast = greedy_generate(model, ids, max_new_tokens=12, ignore_eos=True).tokens
+    finally:
+        cpu_attention.single_query_attention = real
+        assert use_matmul_decode(model, "sdpa") == "sdpa"
+    assert fast == plain and len(calls) == 11 * model.config.num_hidden_layers  # every decode step, every layer
+    assert not any(getattr(m, MARK, False) for m in model.modules())
+    with pytest.raises(HarnessError, match="cpu_decode_attention"):
+        use_matmul_decode(model, "fast")
+
+
+def test_load_model_records_the_decode_attention():
+    loaded = load_model(compose("model=tiny-random").model)
+    assert loaded.info["cpu_decode_attention"] == "matmul"
+    loaded = load_model(compose("model=tiny-random", "+model.cpu_decode_attention=sdpa").model)
+    assert loaded.info["cpu_decode_attention"] == "sdpa"
+
+
+def test_float16_on_a_cpu_is_refused_beyond_tiny_models():
+    assert load_model(compose("model=tiny-random", "model.dtype=float16").model).model.dtype == torch.float16  # 3M parameters
+    larger = ("model=tiny-random", "model.dtype=float16", "model.architecture.hidden_size=256")  # 13M parameters
+    with pytest.raises(HarnessError, match="float16 on a CPU runs ~50x slower"):
+        load_model(compose(*larger).model)
+    assert load_model(compose(*larger, "+model.allow_cpu_float16=true").model).model.dtype == torch.float16
