@@ -44,12 +44,23 @@ def single_query_attention(query, key, value, mask, scaling=None):
     hkv = key.shape[1]
     groups = hq // hkv
     q = query.reshape(b, hkv, groups, d)
-    logits = torch.matmul(q, key.transpose(-1, -2)).float() * (d ** -0.5 if scaling is None else float(scaling))
+    # Half-precision batched matmuls copy operands whose heads are not contiguous (a cache layer is a view into a
+    # buffer with room, harness/methods/inplace.py): one copy of the cache per step. One matmul per head reads
+    # each head's (contiguous) keys in place.
+    per_head = query.dtype != torch.float32 and not (key.is_contiguous() and value.is_contiguous())
+    if per_head:
+        logits = torch.stack([torch.stack([q[i, h] @ key[i, h].transpose(0, 1) for h in range(hkv)]) for i in range(b)])
+    else:
+        logits = torch.matmul(q, key.transpose(-1, -2))
+    logits = logits.float() * (d ** -0.5 if scaling is None else float(scaling))
     if mask is not None:
         m = mask if mask.shape[1] == 1 else mask.reshape(mask.shape[0], hkv, groups, -1)  # (B, 1, 1, K) broadcasts
         logits = logits.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else logits + m.float()
     weights = torch.softmax(logits, dim=-1).to(value.dtype)
-    out = torch.matmul(weights, value)  # (B, Hkv, groups, d)
+    if per_head:
+        out = torch.stack([torch.stack([weights[i, h] @ value[i, h] for h in range(hkv)]) for i in range(b)])
+    else:
+        out = torch.matmul(weights, value)  # (B, Hkv, groups, d)
     return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous(), None
 
 

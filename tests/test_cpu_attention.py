@@ -24,13 +24,16 @@ def reference(query, key, value, mask, scaling):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)], ids=str)
-@pytest.mark.parametrize("layout", ["gqa", "expanded", "ragged", "bool_mask"])
+@pytest.mark.parametrize("layout", ["gqa", "expanded", "ragged", "bool_mask", "view_with_room"])
 def test_single_query_attention_equals_sdpa(dtype, tol, layout):
     gen = torch.Generator().manual_seed(0)
     b, hq, d, k = 2, 6, 16, 37
-    hkv = {"gqa": 2, "expanded": 6, "ragged": 1, "bool_mask": 3}[layout]
+    hkv = {"gqa": 2, "expanded": 6, "ragged": 1, "bool_mask": 3, "view_with_room": 2}[layout]
     query = torch.randn(b, hq, 1, d, generator=gen).to(dtype)
     key, value = (torch.randn(b, hkv, k, d, generator=gen).to(dtype) for _ in range(2))
+    if layout == "view_with_room":  # a cache layer in place: heads not contiguous (the per-head path in half precision)
+        key, value = (torch.cat([t, torch.zeros(b, hkv, 5, d, dtype=dtype)], dim=2)[:, :, :k] for t in (key, value))
+        assert not key.is_contiguous()
     mask = None
     if layout == "ragged":  # a per-head additive mask in the dtype's own minimum (ragged.pending_mask)
         visible = torch.rand(b, hq, 1, k, generator=gen) < 0.5
