@@ -705,7 +705,7 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
                 f"| {_f(e['decode_cpu_vs_full_at_budget_length'], '{:.2f}x')} |")
     if any(e.get("decode_bound_ms") is not None for e in table):
         lines += ["", "Decode against the memory bound: a step reads the weights and the live cache once; bound = (weights + "
-                      "cache after prefill) ÷ the copy bandwidth measured before each measurement (bytes read + written by a "
+                      "cache after prefill) ÷ the copy bandwidth measured right after each measurement (bytes read + written by a "
                       "256 MB copy, the fastest of 3). Above bound: the fixed per-step cost (framework calls, small kernels) "
                       "plus the cache's excess. Cache cost × bound: the step-time growth from the method's shortest length "
                       "over the cache growth ÷ bandwidth (1.0 = the cache costs only its reads).", "",

@@ -312,8 +312,8 @@ def measured_kv(cache, appended: int, prompt_length: int | None = None) -> dict:
 
 def copy_bandwidth(device, nbytes: int = 256 << 20, repeats: int = 3) -> float:
     """The machine's memory bandwidth now, in bytes per second: the fastest of `repeats` copies of an `nbytes`
-    buffer (bytes read + bytes written over the copy's time), measured right before a measurement so that the
-    decode bound below shares its load. A decode step reads the weights and the live cache once."""
+    buffer (bytes read + bytes written over the copy's time), measured right after each measurement so that the
+    decode bound shares its load. A decode step reads the weights and the live cache once."""
     device = torch.device(device)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
@@ -451,7 +451,6 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
         mmap_regime = int(prefill_mmap_threshold)
     hooks = _cpu_time_hooks(model, cpu_marks, (lambda: set_mmap_threshold(DECODE_MMAP_THRESHOLD)) if mmap_regime else None) \
         if device.type == "cpu" else []
-    bandwidth = copy_bandwidth(device)
     gc_was_enabled = gc.isenabled()
     with PeakMeter(devices) as meter:
         gc.disable()  # no collector pauses inside timed decode steps
@@ -465,6 +464,7 @@ def measure(model, method_cfg: dict, length: int, *, batch_size: int, decode_tok
                 h.remove()
             if gc_was_enabled:
                 gc.enable()
+    bandwidth = copy_bandwidth(device)  # after the peak was read: its buffers never count in it
     steps = list(gen.step_seconds)
     cpu_steps = cpu_marks[1:]
     prefill = gen.prefill_seconds
