@@ -54,6 +54,8 @@ def spare_room(t: torch.Tensor | None) -> int:
     if where is None:
         return 0
     room, _, end = where
+    if room.buffer.is_inference() and not torch.is_inference_mode_enabled():
+        return 0  # an inference tensor cannot be written outside inference mode: the append copies
     return room.buffer.shape[room.dim] - end if end == room.mark else 0
 
 
