@@ -372,7 +372,8 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
         order = sorted(resolved, key=lambda tm: not tm[1].compresses)
         with torch.inference_mode(), compression(model, [tm for tm in resolved if tm[1].compresses], keep_full=keep_full,
                                                    tokenizer=loaded.tokenizer) as session:
-            cache = new_cache(model)
+            # room for the question and the answer behind every layer: appends write in place, no copy of the cache
+            cache = new_cache(model, room=int(decode.get("max_new_tokens") or 0) + max(len(q.ids) for q in asked[0]) - end)
             session.compress_now = False
             _sync(model)
             start = time.perf_counter()
