@@ -82,8 +82,8 @@ def main() -> int:
     from harness.decoding import greedy_decode
     from harness.methods import build_method
     from harness.models import load_model
-    from harness.tasks.needle import haystack_files
-    from harness.tasks.needle_prompt import build_cell, prompt_parts
+    from harness.tasks.needle.task import haystack_files
+    from harness.tasks.needle.prompt import build_cell, prompt_parts
 
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -41,8 +41,8 @@ def main() -> int:
     from harness.methods import build_method
     from harness.models import load_model
     from harness.tasks.common import Prompt, generate_settings
-    from harness.tasks.needle import haystack_files
-    from harness.tasks.needle_prompt import build_cell, prompt_parts
+    from harness.tasks.needle.task import haystack_files
+    from harness.tasks.needle.prompt import build_cell, prompt_parts
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"model={a.model}", "task=needle", f"task.prompt_style={a.prompt_style}"])

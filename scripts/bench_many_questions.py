@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness import CONF_DIR
     from harness.methods import build_method
     from harness.models import load_model
-    from harness.tasks import needle
+    from harness.tasks.needle import task as needle
     from harness.tasks.common import Prompt, Question, generate_settings, question_outcomes
 
     if args.threads:

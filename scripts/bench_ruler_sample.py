@@ -4,7 +4,7 @@ one prefill plus one decode per setting.
     python scripts/bench_ruler_sample.py [--experiment ruler_cpu] [--tasks niah_single_1,vt,cwe] [--length 4096]
                                          [--query-aware true|false] [--repeats 1] [--threads N] [overrides...]
 
-For each task's first sample (RULER's generator, the `ruler` task's prompt: harness.tasks.ruler.RulerTask), in
+For each task's first sample (RULER's generator, the `ruler` task's prompt: harness.tasks.ruler.task.RulerTask), in
 one process and interleaved:
 - full alone: the sample with the full cache only (`generate_settings` with one setting): its prefill time P and
   its decode time per generated token D;
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness.methods import build_method
     from harness.models import load_model
     from harness.tasks.common import generate_settings
-    from harness.tasks.ruler import RulerTask
+    from harness.tasks.ruler.task import RulerTask
 
     if args.threads:
         torch.set_num_threads(args.threads)

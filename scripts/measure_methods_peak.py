@@ -11,7 +11,7 @@ measured peak increase next to that analytic sum:
              + one forward's activations, taken from the `full` run: its peak minus its full cache
 
 The peak is the process's VmHWM (reset before each run) with glibc's mmap threshold at 1 MiB, so freed
-tensors leave the resident set and the peak follows live tensors (harness/tasks/bench_worker.py).
+tensors leave the resident set and the peak follows live tensors (harness/tasks/bench/worker.py).
 
     .venv/bin/python scripts/measure_methods_peak.py --length 8192 --out results/cpu/methods_peak.md
 """
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.methods import build_method  # noqa: E402
-from harness.tasks.bench_worker import (PeakMeter, analytic_kv_bytes, model_dims, release_free_memory,  # noqa: E402
+from harness.tasks.bench.worker import (PeakMeter, analytic_kv_bytes, model_dims, release_free_memory,  # noqa: E402
                                         set_mmap_threshold)
 from harness.tasks.common import Prompt, generate_settings  # noqa: E402
 

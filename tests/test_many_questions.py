@@ -212,7 +212,7 @@ def needle_cfg(*extra):
 
 def small_haystack(folder) -> str:
     """The first essays' opening 20K characters as the haystack (no 150K-token tokenization per run)."""
-    from harness.tasks import needle
+    from harness.tasks.needle import task as needle
 
     folder.mkdir()
     text = "".join(p.read_text(encoding="utf-8") for p in needle.haystack_files(needle_cfg().task)[:8])[:20000]
@@ -253,7 +253,7 @@ def test_needle_spans_hold_each_fact(tmp_path):
     """The needle spans of a several-needle cell are exactly the facts' tokens, each question asks its own fact."""
     from conftest import compose
     from harness.models import load_model
-    from harness.tasks import needle
+    from harness.tasks.needle import task as needle
 
     cfg = needle_cfg()
     loaded = load_model(compose("model=tiny-random").model)
@@ -277,7 +277,7 @@ def test_needle_spans_hold_each_fact(tmp_path):
 ])
 def test_bad_several_needle_settings(override, message):
     from harness.errors import HarnessError
-    from harness.tasks import needle
+    from harness.tasks.needle import task as needle
 
     with pytest.raises(HarnessError, match=message):
         needle.validate(needle_cfg(*override.split()).task)

@@ -24,7 +24,6 @@ loop (common.run_items: resume, progress, failures) and the same module signatur
 
 from __future__ import annotations
 
-import csv
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from omegaconf import DictConfig
 
 from harness.errors import require
 from harness.models import LoadedModel
+from harness.tables import write_csv
 from harness.tasks.common import Prompt, QuestionLog, generate_settings, question_records, run_shared_items
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def run(task: GenerationTask, settings, *, progress: bool = True) -> dict:
     for s in settings:
         rows = sorted((r for k, r in logs[s.tag].records.items() if tuple(k[:width]) in order),
                       key=lambda r: (order[tuple(r[f] for f in task.key_fields)], r.get("question_index", 0)))
-        write_csv(s.run_dir.path / f"{task.log_name}.csv", rows, task.csv_columns)
+        write_csv(s.run_dir.path / f"{task.log_name}.csv", rows, task.csv_columns, lineterminator="\r\n")  # csv's default
         summary = task.summarize(rows)
         summary.update({f"failed_{task.noun}": len(outcome[s.tag].failures), "protocol": task.protocol,
                         "prefill_chunk_size": task.chunk_size})
@@ -167,13 +167,6 @@ def run(task: GenerationTask, settings, *, progress: bool = True) -> dict:
         task.finish(s, rows, summary)
         results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}
     return results
-
-
-def write_csv(path: Path, rows: list[dict], columns) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def warn_evicted_questions(rows: list[dict], tag: str) -> None:

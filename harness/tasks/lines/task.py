@@ -35,14 +35,14 @@ from harness.models import LoadedModel
 from harness.tasks import contract
 from harness.tasks.common import Prompt
 from harness.tasks.contract import Built, GenerationTask
-from harness.tasks.longbench_data import question_start
+from harness.tasks.longbench.data import question_start
 
 log = logging.getLogger(__name__)
 # Protocol options this task applies (harness.app refuses them for a task that does not list them).
 PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
 # Options that only choose which items run: a run directory takes another grid and reuses its items.
 GRID_KEYS = ("lengths", "positions", "samples")
-WORDS_DIR = Path(__file__).resolve().parents[1] / "data" / "lines"  # shipped as package data
+WORDS_DIR = Path(__file__).resolve().parents[2] / "data" / "lines"  # shipped as package data
 LOG_FILE = "lines_cells.jsonl"
 
 
@@ -204,7 +204,7 @@ class LinesTask(GenerationTask):
         return summarize(rows, self.lengths, self.positions)
 
     def finish(self, setting, rows: list[dict], summary: dict) -> None:
-        from harness.report_figures import lines_heatmap
+        from harness.tasks.lines.report import lines_heatmap
 
         lines_heatmap(rows, setting.run_dir.path / "lines_heatmap.png", title=f"{self.loaded.name} · {setting.tag}")
 

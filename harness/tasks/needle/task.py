@@ -17,9 +17,10 @@ from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel, find_package_file
-from harness.tasks.needle_prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
+from harness.tasks.needle.prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
 from harness.tasks import contract
 from harness.tasks.common import Prompt, Question
+from harness.tables import _mean
 from harness.tasks.contract import Built, GenerationTask
 from metrics.needle import score_needle_response
 
@@ -186,11 +187,6 @@ def summarize(rows: list[dict], lengths: list[int], depths: list[float]) -> dict
     }
 
 
-def _mean(values):
-    values = list(values)
-    return round(sum(values) / len(values), 4) if values else None
-
-
 # --------------------------------------------------------------------------- several needles (task.needles = K)
 # K distinct facts in one context at K depths, one question each (docs/many_questions.md). Fact 0 is
 # task.needle/question/answer at the cell's depth; fact j (1..K-1) is task.more_needles[j - 1] at depth
@@ -245,7 +241,7 @@ class NeedlesCell:
 
 def build_needles_cell(haystack: list[int], facts: list[tuple[PromptParts, str]], length: int, depth: float) -> NeedlesCell:
     """The longest question's prompt is exactly `length` tokens (the others a few shorter)."""
-    from harness.tasks.needle_prompt import place_needles
+    from harness.tasks.needle.prompt import place_needles
 
     first = facts[0][0]
     longest = max(len(p.suffix) for p, _ in facts)

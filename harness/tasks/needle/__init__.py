@@ -1,0 +1,1 @@
+"""The needle benchmark: task.py (the runner), report.py (its tables in `python -m harness.report`)."""
