@@ -333,7 +333,7 @@ def test_compress_timer_never_synchronises_inside_the_prefill(monkeypatch):
 def test_compress_time_includes_the_capture_of_h2os_column_sums(tiny_random, one_thread, monkeypatch):
     """H2O's main cost, its attention column sums, is computed in the observer during the prompt's attention, not in
     `select`: compress_s counts it (capture + select). A known delay injected into the column sums must show up there."""
-    from harness.methods import h2o
+    from harness.methods import attention as h2o
     from harness.tasks.bench.worker import measure
 
     real, calls, delay = h2o.accumulated_attention, [], 0.05
