@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from hydra import compose, initialize_config_dir
 
     from harness import CONF_DIR
-    from harness.app import compose_settings, method_entries
+    from harness.settings import compose_settings, method_entries
     from harness.methods import build_method
     from harness.models import load_model
     from harness.tasks.common import generate_settings

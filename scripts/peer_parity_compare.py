@@ -168,7 +168,7 @@ def setting_text(pair: dict) -> str:
 
 def default_differences(name: str, options: dict) -> str:
     """Our config's defaults (conf/method/<name>.yaml) where they differ from the kvpress-equal options."""
-    from harness.app import compose_settings
+    from harness.settings import compose_settings
     from harness.errors import HarnessError
 
     try:

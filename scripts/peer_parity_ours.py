@@ -27,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.app import compose_settings, override_value  # noqa: E402
+from harness.settings import compose_settings, override_value  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
 from harness.methods import METHODS, build_method  # noqa: E402
 from harness.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, chat_prefix_and_suffix  # noqa: E402

@@ -140,7 +140,7 @@ def plan(parts: dict[str, Part], selected: list[str], out: Path, *, models: list
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from harness.app import compose_settings, method_entries, setting_dir  # also registers the kv.* resolvers
+    from harness.settings import compose_settings, method_entries, setting_dir  # also registers the kv.* resolvers
 
     experiments: list[Experiment] = []
     if GlobalHydra.instance().is_initialized():

@@ -8,19 +8,17 @@ validating a config (`task.validate`, `check_method`) stays fast enough to fail 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from tqdm import tqdm
 
 from harness.errors import HarnessError, is_out_of_memory
-from harness.models import LoadedModel, load_model
+from harness.models import LoadedModel
 from harness.rundir import JsonlLog, write_json
 
 if TYPE_CHECKING:
@@ -31,53 +29,6 @@ log = logging.getLogger(__name__)
 # Per-item errors that are recorded (and the run goes on) rather than ending the run: out of memory
 # on the device (torch.OutOfMemoryError is a RuntimeError) or on the host, and other runtime errors.
 ITEM_ERRORS = (RuntimeError, MemoryError)
-
-
-def model_facts(model_cfg) -> tuple[int | None, int | None]:
-    """(layers, maximum positions) as far as the model's config says without loading it; None if unknown."""
-    arch = model_cfg.get("architecture")
-    layers = positions = None
-    facts: dict = {}
-    if arch is not None:
-        facts = dict(arch)
-    elif model_cfg.get("source") == "local" and model_cfg.get("path"):
-        try:
-            facts = json.loads((Path(str(model_cfg.path)) / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            facts = {}
-    if isinstance(facts.get("num_hidden_layers"), int):
-        layers = facts["num_hidden_layers"]
-    positions = model_cfg.get("max_positions") or facts.get("max_position_embeddings")
-    return layers, (int(positions) if positions else None)
-
-
-def check_method(cfg):
-    """Build the method and check it against what the model's config says, before any model loads:
-    a bad budget, window or kernel fails in a second. `load_model_and_method` checks again against
-    the loaded model."""
-    from harness.methods import build_method
-
-    method = build_method(cfg.method)
-    layers, positions = model_facts(cfg.model)
-    if layers is None:
-        # The layer count is unknown until the model loads (a GGUF or hub model without `architecture`):
-        # check every option that does not depend on it with a nominal count (a per-layer list: its own
-        # length; 2 layers otherwise, the fewest a PyramidKV schedule has). The loaded model is checked again.
-        budget = getattr(method, "budget", None)
-        layers = len(budget) if isinstance(budget, (list, tuple)) and budget else 2
-    method.validate(layers, positions or 0)
-    return method
-
-
-def load_model_and_method(cfg):
-    """Build the method first (cheap, fails early on bad options), then load the model and check the
-    method against it."""
-    method = check_method(cfg)
-    loaded = load_model(cfg.model)
-    from harness.methods.engine import attention_modules
-
-    method.validate(len(attention_modules(loaded.model)), loaded.max_positions)
-    return loaded, method
 
 
 def kv_stats(cache) -> dict:

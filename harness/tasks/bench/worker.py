@@ -496,7 +496,7 @@ class WorkerCore:
     def __init__(self, init: dict, loaded=None):
         from omegaconf import OmegaConf
 
-        from harness.app import seed_everything
+        from harness.seeding import seed_everything
         from harness.models import load_model
 
         self.init = init
