@@ -141,7 +141,9 @@ def test_the_cross_task_report_names_no_benchmark():
     claims come from its own folder through the registry (harness.tasks.task_reports)."""
     names = set(TASKS)
     found = []
-    for path in sorted((REPO_ROOT / "harness" / "report").rglob("*.py")):
+    report = sorted((REPO_ROOT / "harness" / "report").rglob("*.py"))
+    assert report, "harness/report/ holds the cross-task report"
+    for path in report:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
                 found.append(f"{path.name}:{node.lineno}: {node.value!r}")
