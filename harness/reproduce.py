@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Reproduce the SnapKV paper (arXiv 2404.14469) in one command, then build the tables.
 
     python scripts/reproduce_paper.py                       # LongBench Table 1, needle, speed + max length
@@ -18,6 +17,7 @@ holds a run with a different config is refused before anything starts. Then
 `python -m harness.report <out> --name <results-name>` writes the tables into `results/<results-name>/`.
 
 Extra Hydra overrides for every run go after `--` (e.g. `-- model.attn_implementation=flash_attention_2`).
+`python -m harness.reproduce` is the same command (scripts/reproduce_paper.py is a thin entry over this module).
 See docs/reproducing.md for hardware and expected wall time per part.
 """
 
@@ -33,11 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-CONF_DIR = REPO / "conf"
+from harness import CONF_DIR, REPO_ROOT as REPO
 
 
 @dataclass(frozen=True)
