@@ -180,7 +180,7 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
 
 def _setting(tag, method, cfg, run_dir):
     try:
-        from harness.tasks.common import Setting
+        from harness.generation.prompt import Setting
     except ImportError:  # a task side without the multi-setting contract
         from types import SimpleNamespace as Setting
     return Setting(tag=tag, method=method, cfg=cfg, run_dir=run_dir)

@@ -40,7 +40,8 @@ def main() -> int:
     from harness import CONF_DIR
     from harness.methods import build_method
     from harness.models import load_model
-    from harness.tasks.common import Prompt, generate_settings
+    from harness.generation.generate import generate_settings
+    from harness.generation.prompt import Prompt
     from harness.tasks.needle.task import haystack_files
     from harness.tasks.needle.prompt import build_cell, prompt_parts
 

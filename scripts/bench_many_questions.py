@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     from harness.methods import build_method
     from harness.models import load_model
     from harness.tasks.needle import task as needle
-    from harness.tasks.common import Prompt, Question, generate_settings, question_outcomes
+    from harness.generation.generate import generate_settings
+    from harness.generation.prompt import Prompt, Question, question_outcomes
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from harness.settings import compose_settings, method_entries
     from harness.methods import build_method
     from harness.models import load_model
-    from harness.tasks.common import generate_settings
+    from harness.generation.generate import generate_settings
     from harness.tasks.ruler.task import RulerTask
 
     if args.threads:

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.methods import build_method  # noqa: E402
 from harness.tasks.bench.worker import (PeakMeter, analytic_kv_bytes, model_dims, release_free_memory,  # noqa: E402
                                         set_mmap_threshold)
-from harness.tasks.common import Prompt, generate_settings  # noqa: E402
+from harness.generation.generate import generate_settings  # noqa: E402
+from harness.generation.prompt import Prompt
 
 LISTS = {
     "full": ["full"],

@@ -32,7 +32,8 @@ from harness.errors import HarnessError  # noqa: E402
 from harness.methods import METHODS, build_method  # noqa: E402
 from harness.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, chat_prefix_and_suffix  # noqa: E402
 from harness.models import load_model  # noqa: E402
-from harness.tasks.common import Outcome, Prompt, generate_settings  # noqa: E402
+from harness.generation.generate import generate_settings  # noqa: E402
+from harness.generation.prompt import Outcome, Prompt
 from harness.tasks.needle.task import haystack_files  # noqa: E402
 from harness.tasks.needle.prompt import build_cell, prompt_parts  # noqa: E402
 

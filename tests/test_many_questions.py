@@ -1,4 +1,4 @@
-"""Several questions over one compressed context (harness.tasks.common: Prompt.questions, _generate_group).
+"""Several questions over one compressed context (harness.generation: Prompt.questions, _generate_group).
 
 Rollback equals fresh: under the query-agnostic protocol each of K questions is asked on a rollback copy of
 every setting's compressed cache; its answer, and the exact logits and cache layout its decoding starts
@@ -17,7 +17,8 @@ from harness import decoding
 from harness.decoding import greedy_generate
 from harness.methods import build_method
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, Question, QuestionOutcomes, generate_settings, question_outcomes
+from harness.generation.generate import generate_settings
+from harness.generation.prompt import Prompt, Question, QuestionOutcomes, question_outcomes
 from tiny_models import tiny_model
 
 CONTEXT, QUESTION, NEW, K = 96, 24, 6, 3  # questions and answers longer than Gemma's 16-token window

@@ -1,8 +1,11 @@
-"""What every task runner shares: building the model and method, generating one item, and the
-resumable item loop (progress bar, per-item failures recorded, nothing redone).
+"""Greedy generation of one item under every method setting, from ONE prefill of its compressed part.
 
-The decoding and compression modules (and so transformers) are imported when first used, so that
-validating a config (`task.validate`, `check_method`) stays fast enough to fail before any model loads.
+`generate_settings` is the one way a run generates: the compressed part is prefilled once for every setting
+(`shared_prefill`: each method's compressed cache from the same K/V and statistics), then each setting is asked
+its question(s) on its own cache and decoded (together, harness/generation/batch_decode.py, where possible). When
+the shared prefill runs out of memory the settings are split, down to one setting's separate run.
+
+The decoding and compression modules (and so transformers) are imported when first used.
 """
 
 from __future__ import annotations
@@ -10,19 +13,15 @@ from __future__ import annotations
 import gc
 import logging
 import time
-import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
-from tqdm import tqdm
 
 from harness.errors import HarnessError, is_out_of_memory
+from harness.generation.diagnostics import compression_diagnostics
+from harness.generation.prompt import Outcome, Prompt, QuestionOutcomes
 from harness.models import LoadedModel
-from harness.rundir import JsonlLog, write_json
-
-if TYPE_CHECKING:
-    from harness.decoding import Generation
 
 log = logging.getLogger(__name__)
 
@@ -31,165 +30,7 @@ log = logging.getLogger(__name__)
 ITEM_ERRORS = (RuntimeError, MemoryError)
 
 
-def kv_stats(cache) -> dict:
-    """Sizes of a cache: entries per layer and total bytes, measured from the tensors."""
-    if cache is None:
-        return {}
-    heads, lengths, nbytes = [], [], 0
-    for layer in cache.layers:
-        heads.append(int(layer.keys.shape[1]))
-        lengths.append(int(layer.keys.shape[2]))
-        nbytes += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-    return {"cache_heads": heads, "cache_lengths": lengths, "cache_bytes": nbytes}
-
-
-@dataclass
-class Setting:
-    """One method setting of a run: its tag, method, resolved config (what a separate `method=<entry>`
-    run has) and its own run directory."""
-
-    tag: str
-    method: object
-    cfg: object
-    run_dir: object
-
-
-@dataclass
-class Prompt:
-    """One item's prompt. `question_start`: where the text after the context begins (the question
-    part; None: nothing follows the context). Under the query-agnostic protocol tokens
-    [0, question_start) are prefilled and compressed, the rest is prefilled on top of the compressed
-    cache, uncompressed, at its true positions. `spans`: named token ranges [a, b) whose retention
-    after compression is reported (`<name>_kept`, `<name>_kept_by_layer`).
-
-    Several questions over one context (`questions`, K >= 1 `Question`s): `ids` is then the context
-    alone (`question_start` = its length) and each question holds the tokens that follow the context
-    when it is asked, with its own spans (positions in context + that question; the context's spans,
-    e.g. needles, are `spans`). `asked()` gives the K single-question prompts. Without `questions`
-    the prompt is today's one question: `ids[question_start:]`."""
-
-    ids: list[int]
-    question_start: int | None = None
-    spans: dict = field(default_factory=dict)
-    questions: list[Question] = field(default_factory=list)
-
-    def __post_init__(self):
-        if self.questions:
-            if self.question_start is None:
-                self.question_start = len(self.ids)
-            if self.question_start != len(self.ids):
-                raise ValueError("a prompt with `questions` holds the context alone in `ids` (question_start = len(ids))")
-
-    def compressed_end(self, query_aware: bool) -> int:
-        if query_aware or self.question_start is None:
-            return len(self.ids)
-        return int(self.question_start)
-
-    def asked(self) -> list[Prompt]:
-        """One single-question prompt per question (context + that question), in order; [self] without `questions`."""
-        if not self.questions:
-            return [self]
-        return [Prompt(self.ids + list(q.ids), self.question_start, {**self.spans, **q.spans}) for q in self.questions]
-
-
-@dataclass
-class Question:
-    """One of several questions over a prompt's context: its tokens after the context, and its spans
-    (e.g. {"question": (a, b)}) in positions of context + these tokens."""
-
-    ids: list[int]
-    spans: dict = field(default_factory=dict)
-
-
-@dataclass
-class Outcome:
-    """One setting's result on one item: the generation and its compression diagnostics, or the error."""
-
-    generation: Generation | None
-    diagnostics: dict
-    error: BaseException | None = None
-    kept: dict = field(default_factory=dict)  # layer -> kept prompt positions (B, H, n), None: layer kept whole
-
-
-def retention(records: dict, lo: int, hi: int, row: int | None = None) -> tuple[float | None, list]:
-    """Fraction of positions [lo, hi) still cached after compression: per layer (mean over batch and
-    heads, or over batch row `row`'s heads; None for sliding-window layers, which the model bounds itself
-    and are never compressed) and its mean over the other layers."""
-    by_layer: list = []
-    for idx in sorted(records):
-        rec = records[idx]
-        if rec.reason == "sliding_window":
-            by_layer.append(None)
-        elif rec.positions is None or hi <= lo:
-            by_layer.append(1.0)
-        else:
-            positions = rec.positions if row is None else rec.positions[row:row + 1]
-            inside = ((positions >= lo) & (positions < hi)).sum(dim=-1).float() / (hi - lo)
-            by_layer.append(round(float(inside.mean()), 4))
-    values = [v for v in by_layer if v is not None]
-    return (round(sum(values) / len(values), 4) if values else None), by_layer
-
-
-def compression_diagnostics(state, method, prompt: Prompt, end: int, cache, row: int | None = None, rows: int = 1) -> dict:
-    """What a setting kept of one item: layers compressed, the resolved budget, the retention of every
-    span of the prompt (spans after `end` were prefilled after compression: kept by construction).
-    Batched items: the item is batch row `row` of `rows` (its retention and its share of the cache bytes)."""
-    records = state.layers if state is not None else {}
-    out: dict = {}
-    if records:
-        out["kv_positions_after_prefill"] = [list(records[i].after) if row is None else _row_after(records[i], row)
-                                             for i in sorted(records)]
-        out["compressed_layers"] = [i for i in sorted(records) if records[i].compressed]
-    if getattr(method, "compresses", False):
-        out["budget_tokens"] = getattr(method, "budget", None)
-        short = [i for i in sorted(records) if records[i].reason == "short_prompt"]
-        if short and all(records[i].reason in ("short_prompt", "sliding_window") for i in records):
-            out["not_compressed"] = f"budget {out['budget_tokens']} >= the {end}-token compressed part: kept whole"
-            _warn_once(repr(method), "%s: the budget (%s tokens) is at or above this item's %d-token compressed part: "
-                       "nothing is compressed (the official rule); lower method.budget or use method.ratio",
-                       getattr(method, "name", method), out["budget_tokens"], end)
-    for name, (lo, hi) in prompt.spans.items():
-        if lo >= end or not records:  # prefilled after compression (or nothing compressed): all of it is cached
-            by_layer = [None if records[i].reason == "sliding_window" else 1.0 for i in sorted(records)]
-            out[f"{name}_kept"], out[f"{name}_kept_by_layer"] = 1.0, by_layer
-        else:
-            out[f"{name}_kept"], out[f"{name}_kept_by_layer"] = retention(records, lo, min(hi, end), row)
-    if cache is not None:
-        out["cache_bytes"] = kv_stats(cache)["cache_bytes"] if row is None else row_cache_bytes(cache, row)
-    if state is not None:
-        out.update(state.extra)  # what the method adds (KVzip: its reconstruction forwards)
-    return out
-
-
-def _row_after(record, row: int) -> list[int]:
-    """(heads, entries) batch row `row` keeps in one layer: its longest head (rows of a per-head-budget layer
-    are padded to the batch's longest, positions -1)."""
-    if record.positions is None:
-        return list(record.after)
-    return [int(record.after[0]), int((record.positions[row] >= 0).sum(dim=-1).max())]
-
-
-def row_cache_bytes(cache, row: int) -> int:
-    """The bytes batch row `row` of a cache holds: its share of every layer, a ragged layer's padding excluded
-    (a batch of one measures the tensors themselves, `kv_stats`)."""
-    total = 0
-    for layer in cache.layers:
-        rows, length = int(layer.keys.shape[0]), int(layer.keys.shape[2])
-        nbytes = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-        owner = getattr(layer, "_kvharness_owner", None)  # ragged (harness/methods/ragged.py): -1 marks padding
-        share = int((owner[row] >= 0).sum()) / max(length, 1) if owner is not None else 1.0
-        total += round(nbytes / rows * share)
-    return total
-
-
 _WARNED_SLIDING: set[str] = set()
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, message: str, *args) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        log.warning(message, *args)
 
 
 def _warn_if_nothing_compressible(loaded: LoadedModel, session) -> None:
@@ -279,6 +120,47 @@ def batch_refusal(prompts: list[Prompt], keep_answers: bool = False) -> str | No
     return None
 
 
+@dataclass
+class Prefilled:
+    """One shared prefill: every setting's cache (compressing methods first, the order of the separate runs; a method
+    that does not compress gets the prefill's own cache; a setting whose compression failed has none), the prefill's
+    last logits and wall seconds, the compression session (installed until the block ends) and the failures."""
+
+    session: object
+    caches: dict
+    logits: torch.Tensor
+    seconds: float
+    failed: dict
+    order: list
+
+
+@contextmanager
+def shared_prefill(model, resolved: list[tuple[str, object]], ids: torch.Tensor, *, chunk_size: int | None = None,
+                   tokenizer=None):
+    """ONE prefill of `ids` (the compressed part) for every (tag, resolved method): right after each layer's attention in
+    the last forward, every compressing method builds its layer from the same K/V and statistics (engine.py). Yields a
+    `Prefilled`; the engine's session stays installed inside the block (later forwards see each cache's layout), and
+    the caches stay usable after it."""
+    from harness.decoding import _sync, prefill
+    from harness.methods.engine import compression, new_cache
+
+    keep_full = any(not m.compresses for _, m in resolved)
+    order = sorted(resolved, key=lambda tm: not tm[1].compresses)
+    with torch.inference_mode(), compression(model, [tm for tm in resolved if tm[1].compresses], keep_full=keep_full,
+                                               tokenizer=tokenizer) as session:
+        cache = new_cache(model)
+        session.compress_now = False
+        _sync(model)
+        start = time.perf_counter()
+        logits = prefill(model, cache, ids, chunk_size=chunk_size, before_last=lambda: setattr(session, "compress_now", True))
+        _sync(model)
+        seconds = time.perf_counter() - start
+        failed = {tag: state.error for tag, state in session.states.items() if state.error is not None}
+        caches = {tag: session.cache_for(tag, cache) if m.compresses else cache for tag, m in order if tag not in failed}
+        del cache
+        yield Prefilled(session, caches, logits, seconds, failed, order)
+
+
 def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prompts: list[Prompt], *,
                     query_aware: bool = True, chunk_size: int | None = None, keep_answers: bool = False,
                     decode_together: bool = True, **decode) -> list[dict[str, Outcome]]:
@@ -303,8 +185,7 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
     positions. Query-aware: each question is compressed with the context, one prefill per question,
     shared by every setting.
     """
-    from harness.decoding import Generation, _sync, prefill
-    from harness.methods.engine import compression, new_cache
+    from harness.decoding import Generation
 
     model, device = loaded.model, loaded.device
     rows = len(prompts)
@@ -318,21 +199,10 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
     for end, numbers_here in passes:
         ids = torch.tensor([row[numbers_here[0]].ids[:end] for row in asked], dtype=torch.long, device=device)
         resolved = [(tag, m.resolve(end)) for tag, m in methods]
-        keep_full = any(not m.compresses for _, m in resolved)
-        # Compressing methods first (the order of the separate runs; every cache is handed out before any answer).
-        order = sorted(resolved, key=lambda tm: not tm[1].compresses)
-        with torch.inference_mode(), compression(model, [tm for tm in resolved if tm[1].compresses], keep_full=keep_full,
-                                                   tokenizer=loaded.tokenizer) as session:
-            cache = new_cache(model)
-            session.compress_now = False
-            _sync(model)
-            start = time.perf_counter()
-            logits = prefill(model, cache, ids, chunk_size=chunk_size, before_last=lambda: setattr(session, "compress_now", True))
-            _sync(model)
-            shared_seconds = time.perf_counter() - start
-            failed = {tag: state.error for tag, state in session.states.items() if state.error is not None}
-            bases = {tag: session.cache_for(tag, cache) if m.compresses else cache for tag, m in order if tag not in failed}
-            del cache
+        with shared_prefill(model, resolved, ids, chunk_size=chunk_size, tokenizer=loaded.tokenizer) as shared:
+            session, logits, shared_seconds, failed, order = (shared.session, shared.logits, shared.seconds, shared.failed,
+                                                              shared.order)
+            bases = shared.caches
             _warn_if_nothing_compressible(loaded, session)
             kept = {tag: [{i: _row_positions(r.positions, b, rows) for i, r in session.states[tag].layers.items()}
                           if tag in session.states else {} for b in range(rows)] for tag, _ in order if tag not in failed}
@@ -424,12 +294,12 @@ def _answer(loaded: LoadedModel, turns: dict, logits: torch.Tensor, *, together:
     one per setting (and per question, when several questions over one context are asked at once).
     Returns {key: Generation (prefill_seconds: this turn's own prefill), or the runtime/out-of-memory error that
     failed that answer}. With `together`, all turns decode as one batch, one forward per step
-    (harness/batch_decode.py: each attends to its own cache only, at its own positions; tokens equal the
+    (harness/generation/batch_decode.py: each attends to its own cache only, at its own positions; tokens equal the
     separate decodes); on a model with sliding-window layers, turns at different positions decode as one batch
     per position. Where they cannot (one turn, an attention kernel it does not take), one after another, and
     every Generation's `decoded_with` says which and why. A batch that runs out of memory raises (the caller
     retries smaller groups of settings from their own prefills); another error fails every answer of the batch."""
-    from harness.batch_decode import decode_together, decoded_with, refusal
+    from harness.generation.batch_decode import decode_together, decoded_with, refusal
     from harness.decoding import Generation, _sync, greedy_decode, prefill
 
     model, device = loaded.model, loaded.device
@@ -496,158 +366,3 @@ def rollback_copy(cache):
     return out
 
 
-@dataclass
-class QuestionOutcomes(Outcome):
-    """One setting's result on a prompt of K questions: `answers[i]` is question i's Outcome (its generation
-    and diagnostics, or the error that failed it). `diagnostics` holds what concerns the whole item
-    (`shared_with`); `question_outcomes` merges it into each answer."""
-
-    answers: list = field(default_factory=list)
-
-
-def question_outcomes(outcome: Outcome, questions: int) -> list[Outcome]:
-    """The per-question outcomes of one setting's result on a prompt of `questions` questions (a plain Outcome:
-    one question), each with the item's diagnostics; a setting that failed as a whole fails every question."""
-    if isinstance(outcome, QuestionOutcomes):
-        return [Outcome(a.generation, {**a.diagnostics, **outcome.diagnostics}, a.error, a.kept) for a in outcome.answers]
-    if outcome.error is not None:
-        return [outcome] * questions
-    return [outcome]
-
-
-def question_records(outcomes: dict, questions: int, logs: dict, make: Callable) -> dict:
-    """Per setting, one record per question (`make(i, answer)`, in question order): {tag: [records]}, or the
-    first error that failed one of its questions (the answered ones are appended to that tag's log here, so
-    a rerun asks only the missing ones)."""
-    out = {}
-    for tag, outcome in outcomes.items():
-        records, error = [], None
-        for i, answer in enumerate(question_outcomes(outcome, questions)):
-            if answer.error is not None:
-                error = error or answer.error
-            else:
-                records.append(make(i, answer))
-        if error is not None and records:
-            logs[tag].append(records)
-        out[tag] = records if error is None else error
-    return out
-
-
-class QuestionLog:
-    """A task's log seen per item of K questions, for `run_shared_items`: records are keyed by the item's key
-    plus `question_index`; an item is in it once all K question records are, and `append` takes the item's
-    list of question records (those already there are skipped by the log). A partly done item (a question
-    failed, or the run stopped between records) is asked again and only its missing records are added."""
-
-    def __init__(self, log: JsonlLog, questions):
-        """questions: K for every item, or a function of the item's key giving its K."""
-        self.log = log
-        self.questions = questions if callable(questions) else (lambda key, k=int(questions): k)
-
-    def __contains__(self, key) -> bool:
-        return all((*key, i) in self.log for i in range(self.questions(key)))
-
-    def append(self, records: list[dict]) -> None:
-        for record in records:
-            self.log.append(record)
-
-    @property
-    def records(self) -> dict:
-        return self.log.records
-
-
-@dataclass
-class ItemResult:
-    done: int = 0
-    skipped: int = 0
-    failures: list | None = None
-
-
-def _failure(desc: str, key, exc: BaseException, tb: str) -> dict:
-    text = str(exc).strip()
-    return {"desc": desc, "key": list(key), "error": f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}",
-            "oom": isinstance(exc, (torch.OutOfMemoryError, MemoryError)), "traceback": tb}
-
-
-def run_shared_items(items: Iterable, *, logs: dict[str, JsonlLog], key: Callable, work: Callable, desc: str,
-                     failures_paths: dict | None = None, progress: bool = True, batch_size: int = 1,
-                     batch_key: Callable | None = None, work_batch: Callable | None = None) -> dict[str, ItemResult]:
-    """Run every item for every setting (tag) whose log does not hold it yet, one `work` call per item.
-
-    `work(item, tags)` gets the tags still missing that item and returns {tag: record, or the
-    exception that failed that tag}. Records are appended as they come; an out-of-memory or runtime
-    error is recorded (key, error, short traceback) in that tag's failures file as soon as it
-    happens, and the loop goes on; an error raised by `work` itself fails the item for every tag
-    asked. Failed items are not in the logs, so the next run retries exactly them (and only for the
-    settings that failed). A HarnessError (a user error) ends the run.
-
-    Batched items (`batch_size` > 1 with `work_batch(items, tags)`, which returns one such dict per item):
-    consecutive items with the same `batch_key` and the same missing tags go together, up to `batch_size`.
-    """
-    items = list(items)
-    results = {tag: ItemResult(failures=[]) for tag in logs}
-    todo = []
-    for it in items:
-        missing = [tag for tag, lg in logs.items() if key(it) not in lg]
-        for tag in logs:
-            if tag not in missing:
-                results[tag].skipped += 1
-        if missing:
-            todo.append((it, missing))
-    done_before = sum(r.skipped for r in results.values())
-    if done_before:
-        log.info("%s: %d of %d item records already done, resuming", desc, done_before, len(items) * len(logs))
-    paths = failures_paths or {}
-    batches: list[list] = []
-    for item, missing in todo:
-        same = bool(batches) and batch_size > 1 and work_batch is not None and len(batches[-1]) < batch_size and (
-            batches[-1][0][1] == missing and (batch_key is None or batch_key(batches[-1][0][0]) == batch_key(item)))
-        if same:
-            batches[-1].append((item, missing))
-        else:
-            batches.append([(item, missing)])
-    bar = tqdm(total=len(todo), desc=desc, unit="item", disable=not progress, dynamic_ncols=True)
-    for batch in batches:
-        missing = batch[0][1]
-        try:
-            outs = work_batch([it for it, _ in batch], missing) if len(batch) > 1 else [work(batch[0][0], missing)]
-        except HarnessError:
-            raise
-        except ITEM_ERRORS as exc:
-            outs = [{tag: exc for tag in missing} for _ in batch]
-            tb = traceback.format_exc(limit=-3)
-        else:
-            tb = None
-        oom = False
-        for (item, _), out in zip(batch, outs):
-            for tag in missing:
-                record = out.get(tag)
-                if isinstance(record, BaseException):
-                    failure = _failure(desc, key(item), record, tb or "".join(traceback.format_exception(record, limit=-3)))
-                    log.warning("%s [%s]: item %s failed: %s", desc, tag, key(item), failure["error"])
-                    results[tag].failures.append(failure)
-                    oom = oom or failure["oom"]
-                    if paths.get(tag) is not None:
-                        write_json(paths[tag], results[tag].failures)
-                elif record is not None:
-                    logs[tag].append(record)
-                    results[tag].done += 1
-        bar.update(len(batch))
-        del outs
-        if oom:  # outside the except block: the failed item's frames and tensors are already released
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    bar.close()
-    for tag, path in paths.items():
-        if path is not None:
-            write_json(path, results[tag].failures)
-    return results
-
-
-def run_items(items: Iterable, *, log_file: JsonlLog, key: Callable, work: Callable[[object], dict], desc: str,
-              failures_path=None, progress: bool = True) -> ItemResult:
-    """`run_shared_items` for one log: `work(item)` returns the item's record."""
-    results = run_shared_items(items, logs={"_": log_file}, key=key, work=lambda item, tags: {"_": work(item)}, desc=desc,
-                               failures_paths={"_": failures_path}, progress=progress)
-    return results["_"]

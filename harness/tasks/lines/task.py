@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 from harness.errors import require
 from harness.models import LoadedModel
 from harness.tasks import contract
-from harness.tasks.common import Prompt
+from harness.generation.prompt import Prompt
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.longbench.data import question_start
 
@@ -210,7 +210,7 @@ class LinesTask(GenerationTask):
 
 
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
-    """Every cell for every setting (harness.tasks.common.Setting), one prefill per cell: the pooling
+    """Every cell for every setting (harness.generation.prompt.Setting), one prefill per cell: the pooling
     ablation's two SnapKV settings (and the full cache) decode from the same prefill (contract.run)."""
     return contract.run(LinesTask(cfg, loaded), settings, progress=progress)
 

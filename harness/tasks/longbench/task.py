@@ -28,7 +28,7 @@ from harness.errors import HarnessError, require
 from harness.models import LoadedModel
 from harness.rundir import write_json, write_text
 from harness.tasks import contract
-from harness.tasks.common import Prompt
+from harness.generation.prompt import Prompt
 from harness.tables import _mean
 from harness.tasks.contract import Built, GenerationTask, protocol_name, warn_evicted_questions
 from harness.tasks.longbench.data import (
@@ -177,7 +177,7 @@ class LongBenchDataset(GenerationTask):
 
 
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
-    """Every selected item for every setting (harness.tasks.common.Setting), one prefill per item.
+    """Every selected item for every setting (harness.generation.prompt.Setting), one prefill per item.
 
     Returns {tag: {"summary", "rows", "failures"}}."""
     task = cfg.task

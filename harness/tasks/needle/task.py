@@ -19,7 +19,7 @@ from harness.errors import HarnessError, require
 from harness.models import LoadedModel, find_package_file
 from harness.tasks.needle.prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
 from harness.tasks import contract
-from harness.tasks.common import Prompt, Question
+from harness.generation.prompt import Prompt, Question
 from harness.tables import _mean
 from harness.tasks.contract import Built, GenerationTask
 from metrics.needle import score_needle_response
@@ -149,7 +149,7 @@ class NeedleTask(GenerationTask):
 
 
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
-    """Every cell of the grid for every setting (harness.tasks.common.Setting), one prefill per cell (contract.run)."""
+    """Every cell of the grid for every setting (harness.generation.prompt.Setting), one prefill per cell (contract.run)."""
     return contract.run(NeedleTask(cfg, loaded), settings, progress=progress)
 
 

@@ -74,7 +74,7 @@ from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
-from harness.tasks.common import run_items
+from harness.tasks.contract import run_items
 
 log = logging.getLogger(__name__)
 SOURCES = ("haystack", "longbench", "folder")

@@ -32,7 +32,7 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
 from harness.tasks import contract
-from harness.tasks.common import Prompt, Question
+from harness.generation.prompt import Prompt, Question
 from harness.tables import _mean
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.ruler.data import ALL_TASKS, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper, qa_files, QA_FILES
