@@ -124,6 +124,18 @@ def _compose(config_name: str, overrides: list[str]) -> DictConfig:
         return compose(config_name=config_name, overrides=overrides)
 
 
+def compose_config(overrides=()) -> DictConfig:
+    """The config `python -m harness <overrides>` runs, composed outside the app (the scripts' studies)."""
+    return _compose("config", [str(o) for o in overrides])
+
+
+def method_list(names) -> list[tuple[str, object]]:
+    """(name, method) for each conf/method name, with its default options: a study's methods list."""
+    from harness.methods import build_method
+
+    return [(name, build_method(compose_config([f"method={name}"]).method)) for name in names]
+
+
 def compose_settings(entries: list[dict], overrides: list[str] | None, config_name: str = "config") -> list[tuple[str, DictConfig]]:
     """(tag, config) per distinct setting: each config composed as `python -m harness <overrides without
     methods> method=<name> method.<option>=<value> ...` composes it (presets' `defaults:` included), with

@@ -56,28 +56,23 @@ def main() -> int:
     a = p.parse_args()
 
     import torch
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
     from harness.generation.batch_decode import decode_together
     from harness.generation.generate import shared_prefill
     from harness.decoding import greedy_decode
-    from harness.methods import build_method
     from harness.models import load_model
-    from harness.tasks.needle.task import haystack_files
+    from harness.settings import compose_config, method_list
+    from harness.tasks.needle.task import haystack_ids
     from harness.tasks.needle.prompt import build_cell, prompt_parts
 
     if a.threads:
         torch.set_num_threads(a.threads)
     names = [m for m in a.methods.split(",") if m]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"model={a.model}", "task=needle"])
-        methods = [(m, build_method(compose(config_name="config", overrides=[f"method={m}"]).method)) for m in names]
+    cfg = compose_config([f"model={a.model}", "task=needle"])
+    methods = method_list(names)
     loaded = load_model(cfg.model)
     model = loaded.model
     parts = prompt_parts(cfg.task, loaded)
-    text = "".join(f.read_text(encoding="utf-8", errors="replace") for f in haystack_files(cfg.task))
-    haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    haystack = haystack_ids(cfg.task, loaded.tokenizer)
     cell = build_cell(haystack * math.ceil(a.length / len(haystack)), parts, a.length, a.depth)
     ids = torch.tensor([cell.ids], device=loaded.device)
     length = ids.shape[1]

@@ -47,10 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
-    from harness.settings import compose_settings, method_entries
+    from harness.settings import compose_config, compose_settings, method_entries
     from harness.methods import build_method
     from harness.models import load_model
     from harness.generation.generate import generate_settings
@@ -61,9 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     names = args.tasks.split(",")
     overrides = [f"+experiment={args.experiment}", f"task.lengths=[{args.length}]", "task.samples=1",
                  f"task.tasks=[{','.join(names)}]", f"task.query_aware={args.query_aware}", *args.overrides]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-        settings = [(tag, build_method(scfg.method)) for tag, scfg in compose_settings(method_entries(cfg, overrides), overrides, "config")]
+    cfg = compose_config(overrides)
+    settings = [(tag, build_method(scfg.method)) for tag, scfg in compose_settings(method_entries(cfg, overrides), overrides, "config")]
     loaded = load_model(cfg.model)
     task = RulerTask(cfg, loaded)
     full = [(tag, m) for tag, m in settings if tag == "full"]

