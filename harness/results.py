@@ -131,7 +131,10 @@ def number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def finished(run) -> bool:
-    """The run ended (every item done, or some failed): its summary is final."""
-    s = run.data.get("summary") or {}
-    return (s.get("status") or run.data.get("status") or "complete") in ("complete", "items_failed")
+def finished(runs, task: str) -> list:
+    """The runs of `task` that ended (every item done, or some failed): their summaries are final."""
+    def ended(run) -> bool:
+        s = run.data.get("summary") or {}
+        return (s.get("status") or run.data.get("status") or "complete") in ("complete", "items_failed")
+
+    return [run for run in runs if run.task == task and ended(run)]

@@ -48,9 +48,7 @@ def lines_section(runs, out: Path) -> str:
     out = Path(out)
     clean(out, LINES_FILES, ("lines",))
     rows = []
-    for run in runs:
-        if run.task != "lines" or not finished(run):
-            continue
+    for run in finished(runs, "lines"):
         cells = [r for r in (run.data.get("rows") or []) if "length" in r and "score" in r]
         if not cells:
             continue

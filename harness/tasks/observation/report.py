@@ -127,9 +127,7 @@ def observation_section(runs, out: Path) -> str:
     out = Path(out)
     clean(out, OBS_FILES, ("observation",))
     rows = []
-    for run in runs:
-        if run.task != "observation" or not finished(run):
-            continue
+    for run in finished(runs, "observation"):
         s = run.data.get("summary") or {}
         p = s.get("parameters") or {}
         task = (run.data.get("config") or {}).get("task") or {}
