@@ -29,7 +29,7 @@ from harness.cpu_attention import use_matmul_decode
 from harness.decoding import forward_tokens
 from harness.methods.inplace import in_place_cache, reserve
 from harness.models import load_model
-from harness.tasks.bench_worker import copy_bandwidth, weight_bytes
+from harness.tasks.bench.worker import copy_bandwidth, weight_bytes
 
 
 def filled_cache(model, length: int, layout: str):

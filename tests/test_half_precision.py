@@ -21,12 +21,13 @@ import pytest
 import torch
 
 from conftest import compose
+from harness.generation.generate import generate_settings
+from harness.generation.prompt import Prompt, Question
 from harness.methods import METHODS, build_method, compression
+from harness.methods.attention import accumulated_attention
 from harness.methods.base import LayerStats
 from harness.methods.engine import attention_probe, causal_suffix_mask
-from harness.methods.h2o import accumulated_attention
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, Question, generate_settings
 from tiny_models import tiny_model
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -277,7 +278,7 @@ def test_ragged_per_head_masks_use_the_dtypes_own_minimum(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_scoring_softmaxes_run_in_float32(dtype):
     """Window attention (SnapKV's family) and the column sums normalise in float32 from half-precision inputs."""
-    from harness.methods.snapkv import window_attention
+    from harness.methods.attention import window_attention
 
     torch.manual_seed(0)
     q = (torch.randn(1, 4, 8, 16) * 8).to(dtype)

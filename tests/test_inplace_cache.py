@@ -16,12 +16,12 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from harness.batch_decode import decode_together
+from harness.generation.batch_decode import decode_together
 from harness.decoding import greedy_generate, prefill
 from harness.methods import build_method, compression
 from harness.methods.inplace import append, in_place_cache
 from harness.methods.engine import new_cache
-from harness.tasks.common import rollback_copy
+from harness.generation.generate import rollback_copy
 from tiny_models import tiny_model
 
 NEW = 8

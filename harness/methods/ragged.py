@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.methods.base import repeat_kv
+from harness.methods.attention import repeat_kv
 from harness.methods.inplace import MIN_ROOM, append
 
 # layer index -> the mask inputs of the ragged layer updated last (written by `update` right before
