@@ -24,7 +24,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from harness.app import _compose
+from harness.settings import compose_config
 from harness.cpu_attention import use_matmul_decode
 from harness.decoding import forward_tokens
 from harness.methods.inplace import in_place_cache, reserve
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    models = {d: load_model(_compose("config", [f"model={args.model}", f"model.dtype={d}", "model.device=cpu"]).model).model
+    models = {d: load_model(compose_config([f"model={args.model}", f"model.dtype={d}", "model.device=cpu"]).model).model
               for d in args.dtypes}
     longest = max(args.lengths)
     rows = [(n, n) for n in args.lengths] + ([(args.compressed, longest)] if args.compressed else [])

@@ -16,13 +16,13 @@ import time
 
 import torch
 
-from harness.app import _compose
+from harness.settings import compose_config
 from harness.decoding import greedy_generate
 from harness.models import load_model
 
 
 def load(name: str, dtype: str):
-    cfg = _compose("config", [f"model={name}", f"model.dtype={dtype}", "model.device=cpu"]).model
+    cfg = compose_config([f"model={name}", f"model.dtype={dtype}", "model.device=cpu"]).model
     return load_model(cfg).model
 
 
