@@ -1,6 +1,6 @@
 """Result tables people can quote, from every run under a folder.
 
-    python -m harness.report <results folder> [--name NAME] [--out results/]
+    python -m harness.report <results folder> [--name NAME] [--out results/] [--html] [--format kvpress]
 
 Collects every `results.json` under the folder (recursively) and writes `<out>/<name>/`:
 
@@ -20,6 +20,10 @@ Collects every `results.json` under the folder (recursively) and writes `<out>/<
 - `runs.csv`: every results.json found, which table it went into (or why none), and the code version(s) of its
   records (`code`; README.md names every version and the runs that mix them: harness/report_versions.py).
 - `README.md`: all the Markdown tables in one page.
+- `--html`: `report.html`, one self-contained page (data and script inline, no network) with charts, sortable tables
+  and every item's responses and what each method kept (harness/report_html.py).
+- `--format kvpress`: `leaderboard_kvpress.csv`, kvpress's leaderboard columns (dataset, model, method,
+  compression_ratio, score) plus protocol, the score's interval and the reuse gap.
 
 Rows never merge runs that differ in a recorded rule (chat formatting, first-token guard, code_sim
 backend, GQA handling, truncation budget, item limit, data source, prompt style, device, batch, and the
@@ -55,7 +59,8 @@ PAPER_CLAIMS = PAPER_DIR / "paper_claims.csv"
 # SOURCE.md).
 OUTPUT_FILES = ("README.md", "runs.csv", "longbench.md", "longbench.csv", "longbench_vs_paper.md", "longbench_vs_paper.csv",
                 "longbench_e.md", "longbench_e.csv", "needle.md", "needle.csv", "needle_by_length.png", "efficiency.md",
-                "efficiency.csv", "max_length.csv", "claims.md", "claims.csv", "paired_deltas.md", "paired_deltas.csv")
+                "efficiency.csv", "max_length.csv", "claims.md", "claims.csv", "paired_deltas.md", "paired_deltas.csv",
+                "report.html", "leaderboard_kvpress.csv")
 OUTPUT_DIRS = ("needle", "efficiency")
 
 # Our model names -> the paper's (SnapKV Table 1). Also matched: the basename of the model's hub path.
@@ -816,7 +821,7 @@ def paired_table(rows: list[PairedRow], notes: list[str], n_resamples: int, seed
 # ------------------------------------------------------------------------------------------ main
 
 def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_file: Path = PAPER_CLAIMS,
-          resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> dict:
+          resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED, html: bool = False, kvpress: bool = False) -> dict:
     """Collect `folder`, write every table into `out`; returns what was written (for callers and tests)."""
     folder, out = Path(folder), Path(out)
     if not folder.is_dir():
@@ -931,6 +936,10 @@ def build(folder: Path, out: Path, *, paper_table: Path = PAPER_TABLE, claims_fi
         head.append("No LongBench, needle or benchmark results were found.")
     (out / "README.md").write_text("\n".join(head) + "\n" + "\n".join(md for _, md in sections), encoding="utf-8")
     written["sections"] = [name for name, _ in sections]
+    if html or kvpress:  # the browsable page and the leaderboard export (harness/report_html.py)
+        from harness.report_html import write_outputs
+
+        written["sections"] += write_outputs(runs, folder, out, html_page=html, kvpress=kvpress, resamples=resamples, seed=seed)
     return written
 
 
@@ -942,6 +951,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES,
                         help=f"paired bootstrap resamples for paired_deltas (default {DEFAULT_RESAMPLES})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"bootstrap seed (default {DEFAULT_SEED})")
+    parser.add_argument("--html", action="store_true",
+                        help="also write report.html: one self-contained page (charts, tables, items) that opens offline")
+    parser.add_argument("--format", choices=("markdown", "kvpress"), default="markdown",
+                        help="kvpress: also write leaderboard_kvpress.csv (kvpress's leaderboard columns + protocol, interval, reuse gap)")
     parser.add_argument("--paper-table", type=Path, default=PAPER_TABLE, help=argparse.SUPPRESS)
     parser.add_argument("--claims", type=Path, default=PAPER_CLAIMS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -954,7 +967,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --resamples {args.resamples}: must be a positive number", file=sys.stderr)
         return 2
     written = build(args.folder, target, paper_table=args.paper_table, claims_file=args.claims, resamples=args.resamples,
-                    seed=args.seed)
+                    seed=args.seed, html=args.html, kvpress=args.format == "kvpress")
     print(f"report: {written['runs']} run(s) -> {target}/ ({', '.join(written['sections']) or 'no tables'})")
     return 0
 

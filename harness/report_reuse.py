@@ -13,8 +13,8 @@ harness/stats.py (the one paired_deltas uses). `python -m harness.report` writes
 - `reuse_gap/<model>__<task>.png`: one bar pair per setting (aware, agnostic), the gap's interval drawn on the
   agnostic bar (aware mean minus the interval: where the agnostic score lies by the paired gap).
 
-Items: needle rows by (length, depth, question_index) (0 when absent: one needle per cell); LongBench and
-LongBench-E items by (index, _id) per task (one question each; also the average over tasks, items resampled
+Items: needle rows by (length, depth, question_index) (0 when absent: one needle per cell); RULER samples by
+(task, length, index), one row per setting; LongBench and LongBench-E items by (index, _id) per task (one question each; also the average over tasks, items resampled
 within each task). A query-agnostic run with `task.keep_answers=true` (multi-turn) is its own row
 (turns = multi-turn), never merged with independent questions. Nothing here imports torch.
 """
@@ -35,7 +35,7 @@ FOLDER = "reuse_gap"
 CSV_FIELDS = ["setting", "task", "delta", "ci_low", "ci_high", "n", "model", "method", "turns", "aware_score",
               "agnostic_score", "aware_run", "agnostic_run"]
 NEEDLE, AVERAGE = "needle", "average"
-REUSE_TASKS = ("needle", *LONGBENCH_TASKS)
+REUSE_TASKS = ("needle", "ruler", *LONGBENCH_TASKS)
 
 
 @dataclass
@@ -108,6 +108,10 @@ def method_description(run) -> dict | None:
 def _items(run):
     if run.task == "needle":
         return {NEEDLE: needle_question_items(run)}, []
+    if run.task == "ruler":  # every sample by (task, length, index): the mean is RULER's average (equal samples a task)
+        from harness.report_ruler import _items as ruler_items
+
+        return {"ruler": ruler_items(run)}, []
     return longbench_items(run)
 
 
