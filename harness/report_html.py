@@ -19,92 +19,16 @@ Nothing here loads a model or imports torch.
 
 from __future__ import annotations
 
-import hashlib
 import html
 import json
-import re
 from importlib import resources
 from pathlib import Path
 
+from harness.page_blocks import Items
 from harness.paired import pair_key
 from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED
 
 PAGE = "report.html"
-CONTEXT_CHARS = 500     # characters of prompt shown on each side of a needle or answer
-TAIL_CHARS = 400        # characters of the prompt's end (the question) shown
-MAX_WINDOWS = 4         # windows around answers shown per item
-
-
-# ------------------------------------------------------------------------------------------ items
-
-def item_group(run) -> str:
-    """Runs whose items are the same items (same task, model, task settings; any method or protocol) share
-    this prefix of their item keys: the item view lists every setting of an item, both protocols."""
-    key = json.loads(pair_key(run))
-    key.pop("protocol", None)
-    if isinstance(key.get("task_config"), dict):
-        key["task_config"].pop("keep_answers", None)
-    return hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
-
-
-def kept_by_layer(record: dict) -> dict[str, list]:
-    """{span: [percent kept per layer, None for layers never compressed]} from a record's diagnostics."""
-    out = {}
-    for k, v in record.items():
-        if k.endswith("_kept_by_layer") and isinstance(v, list):
-            out[k[: -len("_kept_by_layer")]] = [None if x is None else round(100 * float(x)) for x in v]
-    return out
-
-
-def excerpt(prompt: str, targets: list[str]) -> list[dict]:
-    """Windows of the prompt: around the first occurrence of each target (needle or reference answer), and the
-    prompt's end (the question). Each window: {text, marks: [[start, end], ...] of the targets inside it}."""
-    if not prompt:
-        return []
-    spans = []
-    for t in targets:
-        t = str(t).strip()
-        if len(t) >= 2:
-            i = prompt.find(t)
-            if i >= 0:
-                spans.append((i, i + len(t)))
-    spans = sorted(set(spans))[:MAX_WINDOWS]
-    windows: list[list[int]] = []
-    for a, b in spans:
-        lo, hi = max(0, a - CONTEXT_CHARS), min(len(prompt), b + CONTEXT_CHARS)
-        if windows and lo <= windows[-1][1]:
-            windows[-1][1] = max(windows[-1][1], hi)
-        else:
-            windows.append([lo, hi])
-    tail = max(0, len(prompt) - TAIL_CHARS)
-    if windows and tail <= windows[-1][1]:
-        windows[-1][1] = len(prompt)
-    else:
-        windows.append([tail, len(prompt)])
-    out = []
-    for lo, hi in windows:
-        marks = [[max(a, lo) - lo, min(b, hi) - lo] for a, b in spans if a < hi and b > lo]
-        out.append({"start": lo, "end": hi, "of": len(prompt), "text": prompt[lo:hi], "marks": marks})
-    return out
-
-
-class Items:
-    """The per-item view's data: {key: {title, context, question, reference, settings: [...]}}; each setting
-    entry names its run (the page's run list) and holds the response, score and kept-per-layer."""
-
-    def __init__(self):
-        self.items: dict[str, dict] = {}
-
-    def add(self, key: str, title: str, run_id: int, record: dict, *, response: str, score, reference,
-            targets: list[str] = (), extra: dict | None = None) -> str:
-        item = self.items.setdefault(key, {"title": title, "reference": reference, "context": [], "settings": []})
-        if not item["context"] and isinstance(record.get("prompt"), str):
-            item["context"] = excerpt(record["prompt"], list(targets))
-        entry = {"run": run_id, "response": response, "score": score, "kept": kept_by_layer(record)}
-        if extra:
-            entry.update(extra)
-        item["settings"].append(entry)
-        return key
 
 
 # ------------------------------------------------------------------------------------------ overview
@@ -219,7 +143,3 @@ def write_outputs(runs, folder: Path, out: Path, *, html_page: bool, kvpress: bo
         write_csv(Path(out) / LEADERBOARD, leaderboard_rows(board), LEADERBOARD_FIELDS)
         written.append(LEADERBOARD)
     return written
-
-
-def safe_id(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]+", "-", str(text)).strip("-") or "x"

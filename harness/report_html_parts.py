@@ -1,16 +1,7 @@
-"""The benchmark sections of report.html (harness/report_html.py): what each benchmark's tables compute,
-as blocks the page's script draws. Block kinds (harness/report_assets/report.js):
-
-- chart: score against budget or compression ratio; `series` (one per method line and protocol: points x, y
-  and the 95% interval lo, hi), `hlines` (the full cache, per protocol), optional `variants` (another y, e.g.
-  one RULER task) and `gpu` (a horizontal limit);
-- table: sortable columns; a row may name its run (a click lists the run's items) and a column its items;
-- heatmaps: per run, score and retention maps over (length, depth); a click on a cell opens its item;
-- intervals: estimates with their interval around zero (the reuse gap).
-
-Every number comes from the functions the Markdown tables use (harness.paired, harness.report_ruler,
-harness.report_reuse, harness.stats); a leaderboard row per (benchmark, run) is collected on the way
-(`python -m harness.report --format kvpress`).
+"""The benchmark sections of report.html (harness/report_html.py): what each benchmark's tables compute, as
+blocks the page's script draws (harness/page_blocks.py). Every number comes from the functions the Markdown
+tables use (harness.paired, harness.report_ruler, harness.report_reuse, harness.stats); a leaderboard row per
+(benchmark, run) is collected on the way (`python -m harness.report --format kvpress`).
 """
 
 from __future__ import annotations
@@ -18,84 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.page_blocks import (budget_of, chart, interval, method_line, model_of, paired_table, rounded, setting_label,
+                                 strata_interval)
 from harness.paired import MIN_INTERVAL_ITEMS, longbench_items, method_name, needle_items, pair_runs, task_predictions
-from harness.stats import bootstrap_mean_ci, stratified_bootstrap_ci
 
 PLAN_ROWS = "plan_rows.jsonl"
-
-
-def _interval(values: list[float], resamples: int, seed: int) -> tuple[float | None, float | None]:
-    if len(values) < MIN_INTERVAL_ITEMS:
-        return None, None
-    ci = bootstrap_mean_ci(values, n_resamples=resamples, seed=seed)
-    return ci.low, ci.high
-
-
-def _strata_interval(groups: list[list[float]], resamples: int, seed: int) -> tuple[float | None, float | None]:
-    if not groups or any(len(g) < MIN_INTERVAL_ITEMS for g in groups):
-        return None, None
-    ci = stratified_bootstrap_ci(groups, n_resamples=resamples, seed=seed)
-    return ci.low, ci.high
-
-
-def _r(v, digits: int = 4):
-    return None if v is None else round(float(v), digits)
-
-
-def _label(run) -> str:
-    from harness.report import method_setting
-
-    return method_setting(run.data.get("method") or {})[0]
-
-
-def _line(run) -> str:
-    """The method's line: its tag without the budget or ratio (one line per method and options)."""
-    from harness.report_ruler import _line_name
-
-    return _line_name({"method_tag": run.data.get("method_tag"), "method": method_name(run)})
-
-
-def _budget(run):
-    b = (run.data.get("method") or {}).get("budget")
-    return b if isinstance(b, (int, float)) and not isinstance(b, bool) else None
-
-
-def _model(run) -> str:
-    return str(run.model.get("name", "?"))
-
-
-def _paired_table(title: str, rows, run_ids: dict, digits: int) -> dict:
-    """The paired difference to full (harness.paired rows) as a sortable table; a row click lists its run's items."""
-    from harness.report import SHORT_NAMES, _protocol_label, method_setting
-
-    body = []
-    for r in rows:
-        task = {"average": f"Avg. ({r.tasks_averaged} tasks)", "needle": "needle mean"}.get(r.task, SHORT_NAMES.get(r.task, r.task))
-        body.append({"run": run_ids[r.setting], "cells": [r.model, method_setting(r.method)[0], _protocol_label(r.protocol), task,
-                                                          _r(r.delta, digits), _r(r.ci_low, digits), _r(r.ci_high, digits), r.n,
-                                                          "~ noise" if r.noise else ("" if r.has_interval else f"n < {MIN_INTERVAL_ITEMS}")]})
-    return {"kind": "table", "id": "paired", "title": title, "rows": body,
-            "columns": [{"name": n, "num": n in ("Δ vs full", "CI low", "CI high", "n")} for n in
-                        ("Model", "Setting", "Protocol", "Task", "Δ vs full", "CI low", "CI high", "n", "")]}
-
-
-def _chart(title: str, xlabel: str, ylabel: str, points: list[dict], *, logx: bool = False, xmin=None, variants=None) -> dict:
-    """points: {line, protocol, x, y, lo, hi, run, full}: full points become horizontal lines (budgets) or x=0."""
-    series: dict[tuple, dict] = {}
-    hlines = []
-    for p in points:
-        if p["full"]:
-            hlines.append({"line": "full", "protocol": p["protocol"], "y": p["y"], "lo": p["lo"], "hi": p["hi"], "run": p["run"]})
-            continue
-        if p["x"] is None or p["y"] is None:
-            continue
-        s = series.setdefault((p["line"], p["protocol"]), {"line": p["line"], "protocol": p["protocol"], "points": []})
-        s["points"].append({k: p[k] for k in ("x", "y", "lo", "hi", "run")})
-    for s in series.values():
-        s["points"].sort(key=lambda q: q["x"])
-    return {"kind": "chart", "title": title, "xlabel": xlabel, "ylabel": ylabel, "logx": logx, "xmin": xmin,
-            "series": sorted(series.values(), key=lambda s: (s["line"], s["protocol"])), "hlines": hlines,
-            "variants": variants or None}
 
 
 # ------------------------------------------------------------------------------------------ needle
@@ -112,7 +30,7 @@ def _needle_fact(run, question: int) -> tuple[str, str]:
 
 def needle_section(runs, run_ids, items, board, *, resamples, seed) -> dict | None:
     from harness.report import _protocol_label
-    from harness.report_html import item_group
+    from harness.page_blocks import item_group
     from harness.report_ruler import removed_fraction
 
     mine = [r for r in runs if r.task == "needle" and needle_items(r)]
@@ -123,12 +41,12 @@ def needle_section(runs, run_ids, items, board, *, resamples, seed) -> dict | No
         scores = needle_items(run)
         values = list(scores.values())
         mean = sum(values) / len(values)
-        lo, hi = _interval(values, resamples, seed)
+        lo, hi = interval(values, resamples, seed)
         full = method_name(run) == "full"
-        points_by_model.setdefault(_model(run), []).append(
-            {"line": _line(run), "protocol": run.protocol, "x": _budget(run), "y": _r(mean), "lo": _r(lo), "hi": _r(hi),
+        points_by_model.setdefault(model_of(run), []).append(
+            {"line": method_line(run), "protocol": run.protocol, "x": budget_of(run), "y": rounded(mean), "lo": rounded(lo), "hi": rounded(hi),
              "run": run_ids[run.rel], "full": full})
-        board.append({"dataset": "needle", "data_dir": (run.data.get("summary") or {}).get("prompt_style"), "model": _model(run),
+        board.append({"dataset": "needle", "data_dir": (run.data.get("summary") or {}).get("prompt_style"), "model": model_of(run),
                       "run": run, "compression_ratio": removed_fraction(run), "score": 100 * mean,
                       "ci_low": None if lo is None else 100 * lo, "ci_high": None if hi is None else 100 * hi, "n": len(values)})
         group = item_group(run)
@@ -139,24 +57,24 @@ def needle_section(runs, run_ids, items, board, *, resamples, seed) -> dict | No
             length, depth, q = int(rec["length"]), float(rec["depth"]), int(rec.get("question_index") or 0)
             needle, answer = _needle_fact(run, q)
             key = items.add(f"{group}|needle|{length}|{depth:g}|{q}",
-                            f"needle · {_model(run)} · {length} tokens · depth {depth:g}%" + (f" · question {q}" if rec.get("needles") else ""),
-                            run_ids[run.rel], rec, response=str(rec.get("response", "")), score=_r(rec.get("score")),
+                            f"needle · {model_of(run)} · {length} tokens · depth {depth:g}%" + (f" · question {q}" if rec.get("needles") else ""),
+                            run_ids[run.rel], rec, response=str(rec.get("response", "")), score=rounded(rec.get("score")),
                             reference=answer, targets=[needle.strip()])
             cell = cells.setdefault((length, depth), {"scores": [], "kept": [], "keys": []})
             cell["scores"].append(float(rec["score"]))
             if rec.get("needle_kept") is not None:
                 cell["kept"].append(float(rec["needle_kept"]))
             cell["keys"].append(key)
-        maps.append({"run": run_ids[run.rel], "label": _label(run), "protocol": _protocol_label(run.protocol), "model": _model(run),
-                     "cells": [{"y": n, "x": d, "score": _r(sum(c["scores"]) / len(c["scores"]), 3),
-                                "kept": _r(sum(c["kept"]) / len(c["kept"]), 3) if c["kept"] else None, "keys": c["keys"]}
+        maps.append({"run": run_ids[run.rel], "label": setting_label(run), "protocol": _protocol_label(run.protocol), "model": model_of(run),
+                     "cells": [{"y": n, "x": d, "score": rounded(sum(c["scores"]) / len(c["scores"]), 3),
+                                "kept": rounded(sum(c["kept"]) / len(c["kept"]), 3) if c["kept"] else None, "keys": c["keys"]}
                                for (n, d), c in sorted(cells.items())]})
     for model, points in points_by_model.items():
-        blocks.append(_chart(f"Needle · {model}: mean score against the budget", "budget (tokens kept per head)",
+        blocks.append(chart(f"Needle · {model}: mean score against the budget", "budget (tokens kept per head)",
                              "mean score (keyword recall)", points, logx=True))
     rows, _ = pair_runs(mine, n_resamples=resamples, seed=seed)
     if rows:
-        blocks.append(_paired_table("Paired difference to the full cache (score units, 95% bootstrap interval)", rows, run_ids, 3))
+        blocks.append(paired_table("Paired difference to the full cache (score units, 95% bootstrap interval)", rows, run_ids, 3))
     blocks.append({"kind": "heatmaps", "title": "Score and needle kept per cell (length × depth): click a cell for its item",
                    "xlabel": "depth %", "ylabel": "prompt tokens", "maps": maps})
     return {"id": "needle", "title": "Needle in a haystack", "blocks": blocks,
@@ -169,7 +87,7 @@ def needle_section(runs, run_ids, items, board, *, resamples, seed) -> dict | No
 
 def ruler_section(runs, run_ids, items, board, *, resamples, seed) -> dict | None:
     from harness.report import _protocol_label
-    from harness.report_html import item_group
+    from harness.page_blocks import item_group
     from harness.report_ruler import SHORT, TASK_ORDER, _items as ruler_items, ruler_rows
 
     mine = [r for r in runs if r.task == "ruler" and isinstance((r.data.get("summary") or {}).get("by_length"), dict)]
@@ -190,20 +108,20 @@ def ruler_section(runs, run_ids, items, board, *, resamples, seed) -> dict | Non
             run = by_rel[row["run"]]
             scores = ruler_items(run)
             per_task = {t: [s for (name, n, _), s in scores.items() if name == t and n == length] for t in tasks}
-            lo, hi = _strata_interval([v for v in per_task.values() if v], resamples, seed)
+            lo, hi = strata_interval([v for v in per_task.values() if v], resamples, seed)
             full = row["method"] == "full"
-            base = {"line": _line(run), "protocol": run.protocol, "run": run_ids[run.rel], "full": False}
-            points.append({**base, "x": 0.0 if full else row["removed"], "y": row["average"], "lo": _r(lo), "hi": _r(hi), "full": full})
+            base = {"line": method_line(run), "protocol": run.protocol, "run": run_ids[run.rel], "full": False}
+            points.append({**base, "x": 0.0 if full else row["removed"], "y": row["average"], "lo": rounded(lo), "hi": rounded(hi), "full": full})
             for t in tasks:
-                tlo, thi = _interval(per_task[t], resamples, seed)
-                variants[t].append({**base, "x": 0.0 if full else row["removed"], "y": row.get(t), "lo": _r(tlo), "hi": _r(thi),
+                tlo, thi = interval(per_task[t], resamples, seed)
+                variants[t].append({**base, "x": 0.0 if full else row["removed"], "y": row.get(t), "lo": rounded(tlo), "hi": rounded(thi),
                                     "full": full})
             delta = row["delta_average"]
             table.append({"run": run_ids[run.rel],
-                          "cells": [row["setting"], _protocol_label(row["protocol"]), _r(row["removed"], 3),
-                                    *[_r(row.get(t), 2) for t in tasks], _r(row["average"], 2),
-                                    _r(delta[0], 2) if delta else None, _r(delta[1], 2) if delta else None,
-                                    _r(delta[2], 2) if delta else None, delta[3] if delta else None]})
+                          "cells": [row["setting"], _protocol_label(row["protocol"]), rounded(row["removed"], 3),
+                                    *[rounded(row.get(t), 2) for t in tasks], rounded(row["average"], 2),
+                                    rounded(delta[0], 2) if delta else None, rounded(delta[1], 2) if delta else None,
+                                    rounded(delta[2], 2) if delta else None, delta[3] if delta else None]})
             board.append({"dataset": "ruler", "data_dir": str(length), "model": model, "run": run, "compression_ratio": row["removed"],
                           "score": row["average"], "ci_low": lo, "ci_high": hi, "n": sum(len(v) for v in per_task.values())})
             group_key = item_group(run)
@@ -214,17 +132,17 @@ def ruler_section(runs, run_ids, items, board, *, resamples, seed) -> dict | Non
                 refs = rec.get("references") or []
                 key = items.add(f"{group_key}|ruler|{rec['task']}|{length}|{rec['index']}|{q}",
                                 f"RULER · {model} · {rec['task']} · {length} tokens · sample {rec['index']}" + (f" · key {q}" if q else ""),
-                                run_ids[run.rel], rec, response=str(rec.get("response", "")), score=_r(rec.get("score"), 2),
+                                run_ids[run.rel], rec, response=str(rec.get("response", "")), score=rounded(rec.get("score"), 2),
                                 reference=" | ".join(map(str, refs)), targets=[str(x) for x in refs])
                 col = 3 + tasks.index(rec["task"]) if rec["task"] in tasks else None
                 if col is not None and key not in col_items.setdefault(col, []):
                     col_items[col].append(key)
-        variant_charts = {f"{t} ({SHORT.get(t, t)})": _chart("", "", "", _with_origin(v)) for t, v in variants.items()}
-        chart = _chart(f"RULER · {model} · {length} tokens: score against the compression ratio",
+        variant_charts = {f"{t} ({SHORT.get(t, t)})": chart("", "", "", _with_origin(v)) for t, v in variants.items()}
+        figure = chart(f"RULER · {model} · {length} tokens: score against the compression ratio",
                        "compression ratio (fraction of the compressed part's KV removed)", "RULER score (0-100)", _with_origin(points),
                        xmin=0.0, variants={"average": None, **{k: {"series": c["series"], "hlines": c["hlines"]}
                                                                for k, c in variant_charts.items()}})
-        blocks.append(chart)
+        blocks.append(figure)
         blocks.append({"kind": "table", "id": f"ruler-{length}", "title": f"RULER per task · {model} · {length} tokens "
                        "(click a task's score for its samples, a setting for all its items)",
                        "columns": [{"name": "Setting"}, {"name": "Protocol"}, {"name": "Removed", "num": True},
@@ -251,7 +169,7 @@ def _with_origin(points: list[dict]) -> list[dict]:
 
 def longbench_section(runs, run_ids, items, board, *, resamples, seed) -> dict | None:
     from harness.report import SHORT_NAMES, _protocol_label
-    from harness.report_html import item_group
+    from harness.page_blocks import item_group
     from harness.report_ruler import removed_fraction
     from metrics.longbench_tasks import LONGBENCH_ALL_TASKS, TASK_CATEGORIES
 
@@ -265,15 +183,15 @@ def longbench_section(runs, run_ids, items, board, *, resamples, seed) -> dict |
     for run in mine:
         s = run.data["summary"]
         per_item, _ = longbench_items(run)
-        lo, hi = _strata_interval([list(v.values()) for v in per_item.values()], resamples, seed)
-        x = _budget(run)
-        points.setdefault(_model(run), []).append({"line": _line(run), "protocol": run.protocol, "x": x, "y": s.get("average"),
-                                                   "lo": _r(lo, 2), "hi": _r(hi, 2), "run": run_ids[run.rel],
+        lo, hi = strata_interval([list(v.values()) for v in per_item.values()], resamples, seed)
+        x = budget_of(run)
+        points.setdefault(model_of(run), []).append({"line": method_line(run), "protocol": run.protocol, "x": x, "y": s.get("average"),
+                                                   "lo": rounded(lo, 2), "hi": rounded(hi, 2), "run": run_ids[run.rel],
                                                    "full": method_name(run) == "full"})
-        table.append({"run": run_ids[run.rel], "cells": [_model(run), _label(run), _protocol_label(run.protocol),
-                                                         *[_r((s.get("categories") or {}).get(c), 2) for c in cats],
-                                                         *[_r(s["scores"].get(t), 2) for t in tasks], _r(s.get("average"), 2)]})
-        board.append({"dataset": run.task, "data_dir": None, "model": _model(run), "run": run, "compression_ratio": removed_fraction(run),
+        table.append({"run": run_ids[run.rel], "cells": [model_of(run), setting_label(run), _protocol_label(run.protocol),
+                                                         *[rounded((s.get("categories") or {}).get(c), 2) for c in cats],
+                                                         *[rounded(s["scores"].get(t), 2) for t in tasks], rounded(s.get("average"), 2)]})
+        board.append({"dataset": run.task, "data_dir": None, "model": model_of(run), "run": run, "compression_ratio": removed_fraction(run),
                       "score": s.get("average"), "ci_low": lo, "ci_high": hi, "n": sum(len(v) for v in per_item.values())})
         group = item_group(run)
         shards = s.get("shards_merged") or 1
@@ -282,10 +200,10 @@ def longbench_section(runs, run_ids, items, board, *, resamples, seed) -> dict |
             for rec in task_predictions(run.path.parent / "pred", name, int(shards), n_items):
                 answers = rec.get("answers") or []
                 items.add(f"{group}|{run.task}|{name}|{rec.get('index')}|{rec.get('_id')}",
-                          f"{run.task} · {_model(run)} · {name} · item {rec.get('index')}", run_ids[run.rel], rec,
-                          response=str(rec.get("pred", "")), score=_r(scored.get((int(rec["index"]), str(rec.get("_id")))), 2),
+                          f"{run.task} · {model_of(run)} · {name} · item {rec.get('index')}", run_ids[run.rel], rec,
+                          response=str(rec.get("pred", "")), score=rounded(scored.get((int(rec["index"]), str(rec.get("_id")))), 2),
                           reference=" | ".join(map(str, answers)), targets=[str(a) for a in answers])
-    blocks = [_chart(f"LongBench · {model}: average against the budget", "budget (tokens kept per head)", "average (official metrics × 100)",
+    blocks = [chart(f"LongBench · {model}: average against the budget", "budget (tokens kept per head)", "average (official metrics × 100)",
                      p, logx=True) for model, p in points.items()]
     blocks.append({"kind": "table", "id": "longbench", "title": "LongBench per category and task (click a row for its items)",
                    "columns": [{"name": "Model"}, {"name": "Setting"}, {"name": "Protocol"},
@@ -293,7 +211,7 @@ def longbench_section(runs, run_ids, items, board, *, resamples, seed) -> dict |
                                {"name": "Avg.", "num": True}], "rows": table})
     rows, _ = pair_runs(mine, n_resamples=resamples, seed=seed)
     if rows:
-        blocks.append(_paired_table("Paired difference to the full cache (points, 95% bootstrap interval)", rows, run_ids, 2))
+        blocks.append(paired_table("Paired difference to the full cache (points, 95% bootstrap interval)", rows, run_ids, 2))
     return {"id": "longbench", "title": "LongBench", "blocks": blocks,
             "intro": "Official metrics × 100; categories: the mean of their tasks present. Band: 95% bootstrap interval of the "
                      "average (items resampled within each task)."}
@@ -309,13 +227,13 @@ def reuse_section(runs, run_ids, items, board, *, resamples, seed) -> dict | Non
         return None
     blocks = [{"kind": "intervals", "title": "Query-aware minus query-agnostic (95% paired bootstrap interval)",
                "rows": [{"label": f"{r.model} · {r.method} · {r.task}" + (" · multi-turn" if r.turns == "multi-turn" else ""),
-                         "est": _r(r.delta), "lo": _r(r.ci_low), "hi": _r(r.ci_high), "run": run_ids.get(r.agnostic_run)} for r in rows]},
+                         "est": rounded(r.delta), "lo": rounded(r.ci_low), "hi": rounded(r.ci_high), "run": run_ids.get(r.agnostic_run)} for r in rows]},
               {"kind": "table", "id": "reuse", "title": "Reuse gap",
                "columns": [{"name": n, "num": n not in ("Model", "Setting", "Task", "Turns")} for n in
                            ("Model", "Setting", "Task", "Turns", "Query-aware", "Query-agnostic", "Δ", "CI low", "CI high", "n")],
                "rows": [{"run": run_ids.get(r.agnostic_run),
-                         "cells": [r.model, r.method, r.task, r.turns, _r(r.aware_score), _r(r.agnostic_score), _r(r.delta),
-                                   _r(r.ci_low), _r(r.ci_high), r.n]} for r in rows]}]
+                         "cells": [r.model, r.method, r.task, r.turns, rounded(r.aware_score), rounded(r.agnostic_score), rounded(r.delta),
+                                   rounded(r.ci_low), rounded(r.ci_high), r.n]} for r in rows]}]
     for b in board:
         task = "average" if b["dataset"].startswith("longbench") else b["dataset"]  # report_reuse's row of the whole benchmark
         gap = next((g for g in rows if g.setting == b["run"].data.get("method_tag") and g.model == b["model"] and g.task == task), None)
@@ -361,10 +279,10 @@ def plan_section(folder: Path) -> dict | None:
         gpu = _gpu_gb(path.parent)
         points = [{"line": f"{r['setting']} · batch {r.get('batch_size', 1)}", "protocol": "query_aware", "x": int(r["length"]),
                    "y": round(float(r["peak_bytes"]) / 2**30, 3), "lo": None, "hi": None, "run": None, "full": False} for r in records]
-        chart = _chart(f"Plan · {path.parent.relative_to(folder) if path.parent != Path(folder) else '.'}: peak memory against length",
+        figure = chart(f"Plan · {path.parent.relative_to(folder) if path.parent != Path(folder) else '.'}: peak memory against length",
                        "prompt tokens", "peak GiB", points, logx=True)
-        chart["gpu"] = gpu
-        blocks.append(chart)
+        figure["gpu"] = gpu
+        blocks.append(figure)
         blocks.append({"kind": "table", "id": "plan", "title": "Planned peaks",
                        "columns": [{"name": "Setting"}, {"name": "Batch", "num": True}, {"name": "Length", "num": True},
                                    {"name": "Peak GiB", "num": True}, {"name": "Phase"}, {"name": "Fits"}],

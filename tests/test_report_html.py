@@ -16,7 +16,8 @@ import pytest
 from conftest import compose
 from harness.report import build
 from harness.report_browser import missing
-from harness.report_html import LEADERBOARD, PAGE, excerpt
+from harness.page_blocks import excerpt
+from harness.report_html import LEADERBOARD, PAGE
 
 METHODS = "methods=[full,{name: snapkv, budget: 64},{name: snapkv, budget: 128},{name: streamingllm, budget: 64}]"
 

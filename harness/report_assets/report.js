@@ -72,6 +72,7 @@
   function keptBars(kept) {
     const box = el("div", {class: "kept"});
     for (const [span, layers] of Object.entries(kept || {})) {
+      if (!layers.length) { box.append(el("div", {class: "span"}, el("span", {class: "spanname", text: `${span}: all kept (nothing compressed)`}))); continue; }
       const w = 4, h = 22, s = svg("svg", {width: layers.length * w + 2, height: h + 2, class: "bars"});
       layers.forEach((v, i) => {
         if (v === null) { s.append(svg("rect", {x: i * w + 1, y: h - 2, width: w - 1, height: 2, fill: "#ccc"})); return; }
@@ -179,7 +180,8 @@
         s.append(svg("polyline", {points: se.points.map(p => `${X(p.x)},${Y(p.y)}`).join(" "), fill: "none", stroke: c, "stroke-width": 2,
           "stroke-dasharray": dashOf(se.protocol), "data-line": se.line, "data-protocol": se.protocol, class: "series"}));
         for (const p of se.points) {
-          const dot = svg("circle", {cx: X(p.x), cy: Y(p.y), r: 4, fill: c, class: "pt", "data-run": p.run});
+          const hollow = se.protocol === "query_agnostic";  // markers tell the protocols apart where a line has one point
+          const dot = svg("circle", {cx: X(p.x), cy: Y(p.y), r: 4, fill: hollow ? "#fff" : c, stroke: c, "stroke-width": 2, class: "pt", "data-run": p.run});
           dot.append(svg("title", {}));
           dot.lastChild.textContent = `${se.line} · ${protoLabel(se.protocol)}: x ${fmt(p.x)}, ${fmt(p.y)}` + (p.lo !== null && p.lo !== undefined ? ` [${fmt(p.lo)}, ${fmt(p.hi)}]` : "") +
             (p.run !== null && p.run !== undefined ? " — click for its items" : "");
@@ -190,7 +192,7 @@
       plot.replaceChildren(s);
     }
     function drawLegend() {
-      legend.replaceChildren(el("div", {class: "legend-note", text: "solid: query-aware · dashed: query-agnostic · click to hide or show"}));
+      legend.replaceChildren(el("div", {class: "legend-note", text: "solid line, filled dot: query-aware · dashed line, hollow dot: query-agnostic · black: the full cache · click to hide or show"}));
       for (const n of names()) {
         const item = el("label", {class: "lg" + (hidden.has(n) ? " off" : ""), "data-line": n},
           el("input", {type: "checkbox", checked: hidden.has(n) ? null : "checked"}), el("span", {class: "swatch", style: `background:${colour(n)}`}), n);
