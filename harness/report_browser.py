@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m harness.report_browser", description=__doc__.split("\n\n")[0])
     parser.add_argument("page", type=Path)
     parser.add_argument("--screenshot", type=Path, help="the whole page as PNG")
-    parser.add_argument("--item", type=Path, help="the first heatmap cell's or table cell's item view as PNG")
+    parser.add_argument("--item", type=Path, help="the item view of the first heatmap cell, task score or table row, as PNG")
     args = parser.parse_args(argv)
     why = missing()
     if why:
@@ -87,9 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.screenshot:
             full_screenshot(driver, args.screenshot)
         if args.item:
-            driver.execute_script("""const c = document.querySelector('.heat .cell, td.cellitems, tr.clickable');
+            driver.execute_script("""const c = document.querySelector('.heat .cell') || document.querySelector('td.cellitems')
+                                               || document.querySelector('main section:not(#overview) tr.clickable');
                                      c.dispatchEvent(new MouseEvent('click', {bubbles: true}));
                                      const a = document.querySelector('#drawer a[data-item]'); if (a) a.click();""")
+            for _ in range(3):  # the whole drawer (its height settles as the window grows)
+                height = int(driver.execute_script("return document.getElementById('drawer').scrollHeight"))
+                driver.set_window_size(WIDTH, min(6000, max(HEIGHT, height + 140)))
             driver.save_screenshot(str(args.item))
         errors = console_errors(driver)
         for e in errors:
