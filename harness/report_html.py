@@ -73,7 +73,8 @@ def asset(name: str) -> str:
     return resources.files("harness").joinpath("report_assets", name).read_text(encoding="utf-8")
 
 
-def page_data(runs, folder: Path, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> tuple[dict, list[dict]]:
+def page_data(runs, folder: Path, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED,
+              title: str | None = None) -> tuple[dict, list[dict]]:
     """The page's one JSON object (overview, benchmark sections: blocks the script renders, items); and the
     leaderboard rows gathered on the way (one per benchmark and run: leaderboard_rows)."""
     from harness.report_html_parts import sections
@@ -81,7 +82,7 @@ def page_data(runs, folder: Path, *, resamples: int = DEFAULT_RESAMPLES, seed: i
     ordered = sorted(runs, key=lambda r: r.rel)
     run_ids = {run.rel: i for i, run in enumerate(ordered)}
     items, board = Items(), []
-    data = {"title": f"Results: {Path(folder).resolve().name}", "folder": str(folder),
+    data = {"title": title or f"Results: {Path(folder).resolve().name}", "folder": str(folder),
             "overview": overview(ordered, run_ids, resamples, seed)}
     data["sections"] = sections(ordered, run_ids, items, Path(folder), resamples=resamples, seed=seed, board=board)
     data["items"] = items.items
@@ -134,7 +135,7 @@ def write_outputs(runs, folder: Path, out: Path, *, html_page: bool, kvpress: bo
     """Write `out/report.html` and/or `out/leaderboard_kvpress.csv` for the collected runs; returns the names written."""
     from harness.report import write_csv
 
-    data, board = page_data(runs, folder, resamples=resamples, seed=seed)
+    data, board = page_data(runs, folder, resamples=resamples, seed=seed, title=f"Results: {Path(out).name}")
     written = []
     if html_page:
         (Path(out) / PAGE).write_text(render(data), encoding="utf-8")
