@@ -211,3 +211,33 @@ def test_page_in_headless_chromium(report):
         assert console_errors(driver) == []
     finally:
         driver.quit()
+
+
+def test_ruler_section_from_hand_written_runs(tmp_path):
+    """RULER: the chart at kvpress's compression ratio (full at 0 starts each line), one variant per task, the per-task
+    table with the paired difference (by hand: niah_single_1 -40, vt 0, average -20), each task column's samples."""
+    from test_report_ruler import _write
+
+    from harness.report import collect
+    from harness.report_html import page_data
+
+    full = {"niah_single_1": [100.0] * 5, "vt": [100.0, 80.0, 60.0, 100.0, 100.0]}
+    snap = {"niah_single_1": [100.0, 0.0, 100.0, 100.0, 0.0], "vt": [100.0, 80.0, 60.0, 100.0, 100.0]}
+    _write(tmp_path, "agn/full", {"name": "full"}, "full", "query_agnostic", full)
+    _write(tmp_path, "agn/snapkv", {"name": "snapkv", "ratio": 0.25, "window_size": 32, "kernel_size": 7, "pooling": "maxpool"},
+           "snapkv_r0.25", "query_agnostic", snap, budget=975)
+    runs, _ = collect(tmp_path)
+    data, board = page_data(runs, tmp_path, resamples=200)
+    section = next(s for s in data["sections"] if s["id"] == "ruler")
+    chart = next(b for b in section["blocks"] if b["kind"] == "chart")
+    (line,) = chart["series"]
+    assert line["line"] == "snapkv" and [(p["x"], p["y"]) for p in line["points"]] == [(0.0, 94.0), (0.75, 74.0)]
+    assert [h["y"] for h in chart["hlines"]] == [94.0]  # full: (100 + 88) / 2
+    vt = chart["variants"]["vt (VT)"]["series"][0]["points"]
+    assert [p["y"] for p in vt] == [88.0, 88.0]
+    table = next(b for b in section["blocks"] if b["kind"] == "table")
+    snap_row = next(r["cells"] for r in table["rows"] if r["cells"][0].startswith("SnapKV"))
+    assert snap_row[:6] == ["SnapKV ratio 0.25 (W32 k7 maxpool)", "query-agnostic", 0.75, 60.0, 88.0, 74.0]
+    assert snap_row[6] == -20.0 and snap_row[7] <= -20.0 <= snap_row[8] and snap_row[9] == 10
+    assert [len(table["colItems"][c]) for c in ("3", "4")] == [5, 5]
+    assert {b["dataset"] for b in board} == {"ruler"} and sorted(b["compression_ratio"] for b in board) == [0.0, 0.75]
