@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                                      const a = document.querySelector('#drawer a[data-item]'); if (a) a.click();""")
             for _ in range(3):  # the whole drawer (its height settles as the window grows)
                 height = int(driver.execute_script("return document.getElementById('drawer').scrollHeight"))
-                driver.set_window_size(WIDTH, min(6000, max(HEIGHT, height + 140)))
+                driver.set_window_size(WIDTH, min(2000, max(HEIGHT, height + 140)))  # long lists: their top
             driver.save_screenshot(str(args.item))
         errors = console_errors(driver)
         for e in errors:

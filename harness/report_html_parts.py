@@ -225,8 +225,9 @@ def reuse_section(runs, run_ids, items, board, *, resamples, seed) -> dict | Non
     rows, notes = gap_rows(runs, n_resamples=resamples, seed=seed)
     if not rows:
         return None
+    several = len({r.model for r in rows}) > 1  # the model named only where there are several
     blocks = [{"kind": "intervals", "title": "Query-aware minus query-agnostic (95% paired bootstrap interval)",
-               "rows": [{"label": f"{r.model} · {r.method} · {r.task}" + (" · multi-turn" if r.turns == "multi-turn" else ""),
+               "rows": [{"label": (f"{r.model} · " if several else "") + f"{r.method} · {r.task}" + (" · multi-turn" if r.turns == "multi-turn" else ""),
                          "est": rounded(r.delta), "lo": rounded(r.ci_low), "hi": rounded(r.ci_high), "run": run_ids.get(r.agnostic_run)} for r in rows]},
               {"kind": "table", "id": "reuse", "title": "Reuse gap",
                "columns": [{"name": n, "num": n not in ("Model", "Setting", "Task", "Turns")} for n in
