@@ -61,11 +61,21 @@ def console_errors(driver) -> list[str]:
     return [e["message"] for e in driver.get_log("browser") if e.get("level") == "SEVERE"]
 
 
+def save_png(driver, target: Path) -> None:
+    """The window as a 256-colour PNG (a page of text and flat colours: a third of the size, as readable)."""
+    import io
+
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(driver.get_screenshot_as_png())).convert("RGB")
+    image.quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(target, optimize=True)
+
+
 def full_screenshot(driver, target: Path, max_height: int = 12000) -> None:
     """The whole page (up to max_height pixels) as one PNG."""
     height = min(max_height, int(driver.execute_script("return document.documentElement.scrollHeight")))
     driver.set_window_size(WIDTH, height)
-    driver.save_screenshot(str(target))
+    save_png(driver, target)
     driver.set_window_size(WIDTH, HEIGHT)
 
 
@@ -94,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(3):  # the whole drawer (its height settles as the window grows)
                 height = int(driver.execute_script("return document.getElementById('drawer').scrollHeight"))
                 driver.set_window_size(WIDTH, min(2000, max(HEIGHT, height + 140)))  # long lists: their top
-            driver.save_screenshot(str(args.item))
+            save_png(driver, args.item)
         errors = console_errors(driver)
         for e in errors:
             print(f"console error: {e}", file=sys.stderr)
