@@ -1,7 +1,8 @@
-"""What a benchmark's part of report.html is made of (bottom layer: the benchmarks' report code and the
-cross-task page both use it; it imports nothing of the report): the per-item store (`Items`: every setting's
-response, score and kept-per-layer of one item, and the prompt around its needle or answers), and the block
-builders the page's script draws (harness/report_assets/report.js):
+"""What a benchmark's part of report.html is made of (each benchmark's report.py `html_section(runs, page)` and
+the cross-task page, harness/report/html.py, both use it; it imports nothing of the report): the page's state
+(`Page`: run ids, the per-item store, leaderboard rows, bootstrap options), the per-item store (`Items`: every
+setting's response, score and kept-per-layer of one item, and the prompt around its needle or answers), kvpress's
+compression ratio of a run, and the block builders the page's script draws (harness/report/assets/report.js):
 
 - chart: score against budget or compression ratio; `series` (one per method line and protocol: points x, y
   and the 95% interval lo, hi), `hlines` (the full cache, per protocol), optional `variants` (another y, e.g.
@@ -16,9 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from dataclasses import dataclass, field
 
-from harness.paired import MIN_INTERVAL_ITEMS, method_name, pair_key
-from harness.stats import bootstrap_mean_ci, stratified_bootstrap_ci
+from harness.results import method_name, pair_key
+from harness.stats import MIN_INTERVAL_ITEMS, bootstrap_mean_ci, stratified_bootstrap_ci
+from harness.tables import method_setting
 
 CONTEXT_CHARS = 500     # characters of prompt shown on each side of a needle or answer
 TAIL_CHARS = 400        # characters of the prompt's end (the question) shown
@@ -97,6 +100,44 @@ class Items:
         return key
 
 
+@dataclass
+class Page:
+    """What the benchmarks' html sections fill: `run_ids` (run directory -> its index in the page's run list), the
+    items, the leaderboard rows (`board`: one per benchmark and run: dataset, data_dir, model, run, compression_ratio,
+    score, ci_low, ci_high, n), and the bootstrap options of every interval."""
+
+    run_ids: dict
+    resamples: int
+    seed: int
+    items: Items = field(default_factory=Items)
+    board: list = field(default_factory=list)
+
+
+def removed_fraction(run) -> float | None:
+    """kvpress's compression ratio: the fraction of the compressed part's KV entries removed (0 for full),
+    from each item's resolved budget and its compressed length (the whole prompt query-aware, the
+    context query-agnostic). A method with one budget over every layer and head (KVzip) records no
+    per-head budget; its `ratio` is by construction the fraction of all the compressed part's entries
+    kept, so 1 - ratio. None when neither says."""
+    if method_name(run) == "full":
+        return 0.0
+    shares = []
+    for r in run.data.get("rows") or []:
+        budget = r.get("budget_tokens")
+        end = r.get("prompt_tokens") if run.protocol == "query_aware" else r.get("question_start")
+        if isinstance(budget, (int, float)) and end:
+            shares.append(min(1.0, budget / end))
+    if shares:
+        return round(1 - sum(shares) / len(shares), 4)
+    from harness.methods import METHODS
+
+    method = run.data.get("method") or {}
+    one_budget = getattr(METHODS.get(method.get("name")), "GLOBAL_BUDGET", False)
+    if one_budget and isinstance(method.get("ratio"), (int, float)):
+        return round(1 - float(method["ratio"]), 4)
+    return None
+
+
 # ------------------------------------------------------------------------------------------ blocks
 
 def interval(values: list[float], resamples: int, seed: int) -> tuple[float | None, float | None]:
@@ -118,8 +159,6 @@ def rounded(v, digits: int = 4):
 
 
 def setting_label(run) -> str:
-    from harness.report import method_setting
-
     return method_setting(run.data.get("method") or {})[0]
 
 
@@ -136,21 +175,6 @@ def budget_of(run):
 
 def model_of(run) -> str:
     return str(run.model.get("name", "?"))
-
-
-def paired_table(title: str, rows, run_ids: dict, digits: int) -> dict:
-    """The paired difference to full (harness.paired rows) as a sortable table; a row click lists its run's items."""
-    from harness.report import SHORT_NAMES, _protocol_label, method_setting
-
-    body = []
-    for r in rows:
-        task = {"average": f"Avg. ({r.tasks_averaged} tasks)", "needle": "needle mean"}.get(r.task, SHORT_NAMES.get(r.task, r.task))
-        body.append({"run": run_ids[r.setting], "cells": [r.model, method_setting(r.method)[0], _protocol_label(r.protocol), task,
-                                                          rounded(r.delta, digits), rounded(r.ci_low, digits), rounded(r.ci_high, digits), r.n,
-                                                          "~ noise" if r.noise else ("" if r.has_interval else f"n < {MIN_INTERVAL_ITEMS}")]})
-    return {"kind": "table", "id": "paired", "title": title, "rows": body,
-            "columns": [{"name": n, "num": n in ("Δ vs full", "CI low", "CI high", "n")} for n in
-                        ("Model", "Setting", "Protocol", "Task", "Δ vs full", "CI low", "CI high", "n", "")]}
 
 
 def chart(title: str, xlabel: str, ylabel: str, points: list[dict], *, logx: bool = False, xmin=None, variants=None) -> dict:

@@ -5,8 +5,8 @@
 Copies every run under <runs folder> into --work with each RULER sample (or needle cell) repeated --copies times
 under new sample indices: a 1-sample-a-task RULER grid of 46 settings becomes the committed grid's shape (5
 samples a task, 55 a setting). The copies are a size and speed test only: their scores are the originals'
-repeated, never results (the folder is a scratch folder). Then builds the page (`harness.report_html`), and opens
-it in headless Chromium (harness/report_browser.py): prints runs, records, items, file size, build and draw times.
+repeated, never results (the folder is a scratch folder). Then builds the page (`harness.report.html`), and opens
+it in headless Chromium (harness/report/browser.py): prints runs, records, items, file size, build and draw times.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copies", type=int, default=5)
     parser.add_argument("--work", type=Path, default=Path("/tmp/report_scale"))
     args = parser.parse_args(argv)
-    from harness.report import collect
-    from harness.report_browser import missing, open_page, start
-    from harness.report_html import page_data, render
+    from harness.results import collect
+    from harness.report.browser import missing, open_page, start
+    from harness.report.html import page_data, render
 
     runs_dir = args.work / "runs"
     records = scale(args.folder, runs_dir, args.copies)

@@ -1,4 +1,4 @@
-"""report.html and the kvpress leaderboard export (harness/report_html.py), from a small real run made here: the
+"""report.html and the kvpress leaderboard export (harness/report/html.py), from a small real run made here: the
 tiny random model on a needle grid, three settings (full, SnapKV and StreamingLLM at two budgets), both
 protocols, prompts logged. Expected values come from the runs' own records (results.json rows and summaries),
 never from the report. The browser test opens the page in headless Chromium (skipped, with the reason, where
@@ -15,15 +15,15 @@ import pytest
 
 from conftest import compose
 from harness.report import build
-from harness.report_browser import missing
+from harness.report.browser import missing
 from harness.page_blocks import excerpt
-from harness.report_html import LEADERBOARD, PAGE
+from harness.report.html import LEADERBOARD, PAGE
 
 METHODS = "methods=[full,{name: snapkv, budget: 64},{name: snapkv, budget: 128},{name: streamingllm, budget: 64}]"
 
 
 def _haystack(folder: Path) -> str:
-    from harness.tasks import needle
+    from harness.tasks.needle import task as needle
 
     folder.mkdir(parents=True, exist_ok=True)
     text = "".join(p.read_text(encoding="utf-8") for p in needle.haystack_files(compose().task)[:4])[:12000]
@@ -147,8 +147,8 @@ def test_kvpress_leaderboard_columns_and_values(report):
 
 
 def test_plan_rows_are_drawn_with_the_gpu_line(tmp_path):
-    from harness.report_html import page_data
-    from harness.report import collect
+    from harness.report.html import page_data
+    from harness.results import collect
 
     plan = tmp_path / "plan" / "lwm"
     plan.mkdir(parents=True)
@@ -159,7 +159,7 @@ def test_plan_rows_are_drawn_with_the_gpu_line(tmp_path):
     (plan / "results.json").write_text(json.dumps({"task": "plan", "config": {"task": {"gpu_memory_gb": 80}}}))
     runs, _ = collect(tmp_path)
     data, _ = page_data(runs, tmp_path)
-    section = next(s for s in data["sections"] if s["id"] == "plan")
+    section = next(s for s in data["sections"] if s["id"] == "memory-plan")
     chart = next(b for b in section["blocks"] if b["kind"] == "chart")
     assert chart["gpu"] == 80
     assert {s["line"]: [p["y"] for p in s["points"]] for s in chart["series"]} == {
@@ -179,7 +179,7 @@ def test_excerpt_windows_mark_each_answer_and_keep_the_question():
 
 @pytest.mark.skipif(missing() is not None, reason=f"no headless browser: {missing()}")
 def test_page_in_headless_chromium(report):
-    from harness.report_browser import console_errors, open_page, start
+    from harness.report.browser import console_errors, open_page, start
 
     _, out = report
     driver = start()
@@ -218,8 +218,8 @@ def test_ruler_section_from_hand_written_runs(tmp_path):
     table with the paired difference (by hand: niah_single_1 -40, vt 0, average -20), each task column's samples."""
     from test_report_ruler import _write
 
-    from harness.report import collect
-    from harness.report_html import page_data
+    from harness.results import collect
+    from harness.report.html import page_data
 
     full = {"niah_single_1": [100.0] * 5, "vt": [100.0, 80.0, 60.0, 100.0, 100.0]}
     snap = {"niah_single_1": [100.0, 0.0, 100.0, 100.0, 0.0], "vt": [100.0, 80.0, 60.0, 100.0, 100.0]}
