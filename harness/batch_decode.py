@@ -172,6 +172,7 @@ class RowsCache(Cache):
     `buffers`: the growing buffers, shared with an earlier RowsCache over the same layers."""
 
     def __init__(self, caches: list[Cache], room: int = 0, buffers: dict | None = None):
+        self.caches = list(caches)  # in row order (decode_time.after_step compresses each setting's own)
         sizes = [int(c.layers[0].keys.shape[0]) for c in caches]
         ends = torch.tensor(sizes).cumsum(0).tolist()
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
@@ -186,6 +187,7 @@ class RowsCache(Cache):
         if len(keep) == len(self.bounds):
             return list(range(len(finished)))
         rows = [r for s in keep for r in range(*self.bounds[s])]
+        self.caches = [self.caches[s] for s in keep]
         sizes = [self.bounds[s][1] - self.bounds[s][0] for s in keep]
         ends = torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from harness.methods.decode_time import after_step
+
 
 @dataclass
 class Generation:
@@ -146,6 +148,7 @@ def greedy_decode(
                 active = [active[j] for j in kept]
         start = time.perf_counter()
         logits = forward_tokens(model, cache, next_ids[:, None], positions + t)
+        after_step(cache)  # decode-time compression between steps, where a method asks for it (decode_time.py)
         _sync(model)
         steps.append(time.perf_counter() - start)
     return tokens, steps, stopped
