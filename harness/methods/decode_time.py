@@ -201,7 +201,8 @@ class DecodeEvictor:
         target = self.rule.target(seen)
         after = self.compress(layers, target)
         self.known_until = seen
-        self.events.append({"step": self.step_count, "seen": seen, "before": longest, "after": after})
+        if after < longest:  # something was cut (a cache still under the target is left as it is)
+            self.events.append({"step": self.step_count, "seen": seen, "before": longest, "after": after})
 
     @torch.inference_mode()
     def compress(self, layers, target: int) -> int:
