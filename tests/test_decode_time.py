@@ -50,6 +50,7 @@ def decode_settings():
                                         "decode_interval": 1, "rerotate": True})),
         ("knorm_ratio", build_method({"name": "knorm", "budget": 64, "window_size": 0, "gqa": "mean", "decode_interval": 5,
                                       "decode_ratio": 0.4})),
+        ("rkv", build_method({"name": "rkv", "budget": 40, "window_size": 8, "decode_interval": 6})),
     ]
 
 
@@ -171,3 +172,43 @@ def test_rerotated_keys_equal_keys_rotated_at_the_new_positions():
 def test_bad_decode_options_fail_in_one_line(options, message):
     with pytest.raises(HarnessError, match=message):
         build_method(options)
+
+
+def test_rkv_scores_follow_the_paper_formula():
+    """R-KV's score from its definition, computed here with the explicit n x n cosine matrix and a plain loop."""
+    import math
+
+    torch.manual_seed(0)
+    b, hq, hkv, length, d, alpha, lam = 1, 4, 2, 30, 16, 8, 0.1
+    q, k = torch.randn(b, hq, alpha, d), torch.randn(b, hkv, length, d)
+    method = build_method({"name": "rkv", "budget": 16, "window_size": alpha, "kernel_size": 3, "mix_lambda": lam})
+    got = method.prefix_scores(q, k, 0)
+    n = length - alpha
+    for h in range(hq):
+        kv = h // (hq // hkv)
+        logits = q[0, h] @ k[0, kv].T / math.sqrt(d)
+        logits[:, n:] += torch.triu(torch.full((alpha, alpha), float("-inf")), 1)
+        attn = torch.softmax(logits, dim=-1)[:, :n].mean(0)
+        pooled = torch.stack([attn[max(0, j - 1):j + 2].max() for j in range(n)])
+        unit = k[0, kv] / k[0, kv].norm(dim=-1, keepdim=True)
+        cos = unit @ unit.T
+        cos.fill_diagonal_(0)
+        red = torch.softmax(cos.sum(-1)[:n] / (length - 1), dim=0)
+        torch.testing.assert_close(got[0, h], lam * pooled - (1 - lam) * red, atol=1e-6, rtol=1e-5)
+
+
+
+def test_configs_carry_the_decode_options_and_tags_say_them():
+    from conftest import compose
+    from harness.methods import build_method as build
+
+    plain = compose("method=snapkv")
+    assert plain.method.tag == "snapkv_c1024_w32_k7_maxpool_expand" and build(plain.method).decode is None  # earlier tags stay
+    cfg = compose("method=snapkv", "method.decode_interval=64", "method.decode_budget=512")
+    assert cfg.method.tag == "snapkv_c1024_w32_k7_maxpool_expand_d64c512"
+    rule = build(cfg.method).decode
+    assert (rule.interval, rule.budget, rule.queries, rule.rerotate) == (64, 512, 256, False)
+    assert build(cfg.method).describe(2)["decode"]["budget"] == 512
+    rkv = compose("method=rkv")
+    assert rkv.method.tag == "rkv_c1024_w8_k7_l0.1_mean_d128" and build(rkv.method).decode.interval == 128
+    assert compose("method=streamingllm", "method.decode_interval=1", "method.rerotate=true").method.tag.endswith("_d1_rerot")

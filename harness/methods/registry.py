@@ -28,7 +28,7 @@ class _Registry(dict):
 
     MODULES = ("full", "h2o", "pyramidkv", "snapkv", "streamingllm",
                "tova", "knorm", "expected_attention", "keydiff", "lagkv", "observed_attention", "criticalkv", "chunkkv",
-               "adakv", "cake", "kvzip")
+               "adakv", "cake", "kvzip", "rkv")
     _loaded = False
 
     def _load(self) -> None:
