@@ -15,6 +15,7 @@ TASKS = {
     "lines": "harness.tasks.lines",
     "ruler": "harness.tasks.ruler",
     "perplexity": "harness.tasks.perplexity",
+    "long_answers": "harness.tasks.long_answers",
 }
 
 SELF_MANAGED = ("bench",)  # known without importing the module (which loads torch)
