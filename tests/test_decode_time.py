@@ -212,3 +212,22 @@ def test_configs_carry_the_decode_options_and_tags_say_them():
     rkv = compose("method=rkv")
     assert rkv.method.tag == "rkv_c1024_w8_k7_l0.1_mean_d128" and build(rkv.method).decode.interval == 128
     assert compose("method=streamingllm", "method.decode_interval=1", "method.rerotate=true").method.tag.endswith("_d1_rerot")
+
+
+def test_hybrid_sliding_layers_are_left_to_the_model(one_thread):
+    """Gemma 3-style model (5 sliding layers of 16 tokens : 1 full): only the full layer is compressed while decoding;
+    the methods list still equals the separate runs."""
+    import tiny_models
+
+    model = tiny_models.tiny_model("gemma3", attn="eager")
+    loaded = loaded_of(model)
+    prompt = Prompt(prompt_ids(80), 64)
+    methods = [("full", build_method({"name": "full"})),
+               ("tova_d2", build_method({"name": "tova", "budget": 40, "gqa": "mean", "decode_interval": 2})),
+               ("rolling", build_method({"name": "streamingllm", "budget": 24, "window_size": 0, "decode_interval": 1}))]
+    shared = generate_settings(loaded, methods, prompt, max_new_tokens=20, ignore_eos=True)
+    for tag, method in methods:
+        alone = generate_settings(loaded, [(tag, method)], prompt, max_new_tokens=20, ignore_eos=True)[tag]
+        assert shared[tag].generation.tokens == alone.generation.tokens, tag
+    diag = shared["rolling"].diagnostics
+    assert diag["decode_compressions"] > 0 and set(diag["cache_entries_by_step"][1:]) == {25}
