@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import compose
-from harness.tasks.long_answers import document, parse_pairs, score_pairs
+from harness.tasks.long_answers.task import document, parse_pairs, score_pairs
 
 
 def test_scoring_counts_exact_pairs_in_order():

@@ -17,7 +17,7 @@ from harness.errors import HarnessError
 from harness.methods import build_method
 from harness.models import LoadedModel
 from harness.tasks.common import Setting
-from harness.tasks.perplexity import check_settings, document_nll, paired_against_full, summarize
+from harness.tasks.perplexity.task import check_settings, document_nll, paired_against_full, summarize
 from metrics.perplexity import bucket_perplexity, perplexity
 
 
