@@ -17,7 +17,7 @@ from harness.errors import HarnessError
 from harness.methods import build_method
 from harness.models import LoadedModel
 from harness.tasks.common import Setting
-from harness.tasks.perplexity.task import check_settings, document_nll, paired_against_full, summarize
+from harness.tasks.perplexity.task import check_settings, document_nll, paired_against_full, summarize, table
 from metrics.perplexity import bucket_perplexity, perplexity
 
 
@@ -74,6 +74,9 @@ def test_summary_buckets_and_paired_intervals():
     paired = paired_against_full({"full": rows_full, "window": rows_win}, 8)["window"]
     assert paired["log_ppl_diff"] == 0.5 and paired["units"] == 2
     assert bucket_perplexity([0.0, 0.0, 1.0], 2) == [(1, 1.0), (3, math.e)]
+    results = {"full": {"summary": summarize(rows_full, 8)}, "window": {"summary": {**s, "against_full": paired}}}
+    text = table(results, "tiny", 4)
+    assert "| full | 16 | 2.718 | – | – |" in text and f"| window | 16 | {math.exp(1.5):.3f} | 7.389 (9) | 1.649 [" in text
     assert perplexity([]) is None
 
 
