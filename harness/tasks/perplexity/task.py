@@ -88,6 +88,7 @@ def check_settings(settings) -> None:
 @torch.inference_mode()
 def document_nll(loaded: LoadedModel, method, ids: list[int], chunk_size: int) -> dict:
     """NLL of tokens 1..n-1 of `ids`, fed in chunks through one cache compressed between chunks by `method`."""
+    from harness.decoding import cache_argument
     from harness.methods import decode_time
     from harness.methods.engine import new_cache
 
@@ -101,7 +102,7 @@ def document_nll(loaded: LoadedModel, method, ids: list[int], chunk_size: int) -
         for lo in range(0, len(ids) - 1, chunk_size):
             hi = min(lo + chunk_size, len(ids) - 1)
             positions = torch.arange(lo, hi, device=device)[None]
-            logits = model(input_ids=x[:, lo:hi], position_ids=positions, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=x[:, lo:hi], position_ids=positions, use_cache=True, **{cache_argument(model): cache}).logits
             nll = torch.nn.functional.cross_entropy(logits[0].float(), x[0, lo + 1:hi + 1], reduction="none")
             nlls.extend(round(float(v), 5) for v in nll)
             del logits
