@@ -22,7 +22,8 @@ from harness.methods import build_method
 from harness.methods.decode_time import rotate_keys
 from harness.methods.engine import rotary_of
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, generate_settings
+from harness.generation.generate import generate_settings
+from harness.generation.prompt import Prompt
 
 PROMPT, QUESTION_AT, NEW = 120, 100, 24
 

@@ -16,7 +16,7 @@ from conftest import tiny_model
 from harness.errors import HarnessError
 from harness.methods import build_method
 from harness.models import LoadedModel
-from harness.tasks.common import Setting
+from harness.generation.prompt import Setting
 from harness.tasks.perplexity.task import check_settings, document_nll, paired_against_full, summarize, table
 from metrics.perplexity import bucket_perplexity, perplexity
 

@@ -23,9 +23,9 @@ from omegaconf import DictConfig
 from harness.errors import require
 from harness.models import LoadedModel
 from harness.tasks import contract
-from harness.tasks.common import Prompt
+from harness.generation.prompt import Prompt
 from harness.tasks.contract import Built, GenerationTask
-from harness.tasks.lines import line_sequence
+from harness.tasks.lines.task import line_sequence
 
 log = logging.getLogger(__name__)
 PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")

@@ -1,4 +1,3 @@
-"""task=perplexity: see task.py (the folder layout of issue 31: the registry imports the package, then its `task` module)."""
+"""task=perplexity: task.py (the runner)."""
 
-from harness.tasks.perplexity.task import *  # noqa: F401,F403  (until the registry imports `<package>.task` itself)
-from harness.tasks.perplexity.task import GRID_KEYS, PROTOCOL_OPTIONS, run, validate  # noqa: F401
+TASK_NAMES = ("perplexity",)  # the task.name values this folder runs (conf/task/*.yaml); read by the registry

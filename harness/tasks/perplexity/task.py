@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
-from harness.tasks.common import run_shared_items
+from harness.tasks.contract import run_shared_items
 from metrics.perplexity import bucket_perplexity, mean_nll, perplexity
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def load_documents(task: DictConfig, tokenizer) -> list[list[int]]:
         texts = _pg19_books(n)
         docs = [tokenizer(t, add_special_tokens=False)["input_ids"][:length] for t in texts]
     else:
-        from harness.tasks.needle import haystack_files
+        from harness.tasks.needle.task import haystack_files
 
         text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
