@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from harness.methods.decode_time import after_step
-
 
 @dataclass
 class Generation:
@@ -148,7 +146,9 @@ def greedy_decode(
                 active = [active[j] for j in kept]
         start = time.perf_counter()
         logits = forward_tokens(model, cache, next_ids[:, None], positions + t)
-        after_step(cache)  # decode-time compression between steps, where a method asks for it (decode_time.py)
+        hook = getattr(cache, "_kvharness_after_step", None)  # decode-time compression (harness/methods/decode_time.py)
+        if hook is not None:
+            hook(cache)
         _sync(model)
         steps.append(time.perf_counter() - start)
     return tokens, steps, stopped

@@ -180,6 +180,13 @@ class RowsCache(Cache):
         layers = [_RowsLayer(i, [c.layers[i] for c in caches], self.bounds, room, buffers) for i in range(len(caches[0].layers))]
         super().__init__(layers=layers)
 
+    def _kvharness_after_step(self, _batch) -> None:
+        """Between steps: each setting's decode-time compression (harness/methods/decode_time.py), on its own cache."""
+        for cache in self.caches:
+            hook = getattr(cache, "_kvharness_after_step", None)
+            if hook is not None:
+                hook(cache)
+
     def drop_finished(self, finished: list[bool]) -> list[int]:
         """Stop computing the settings whose rows have all finished (`finished`: one flag per current row):
         the next forwards hold only the others' rows. Returns the current rows kept, in order."""

@@ -36,64 +36,23 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from harness.errors import HarnessError, require
+from harness.methods.decode_rule import DecodeRule, describe
 
-DEFAULT_QUERIES = 256  # kvpress's hidden_states_buffer_size
 
 
-@dataclass(frozen=True)
-class DecodeRule:
-    """When and to what size a method re-compresses while decoding (see the module docstring)."""
+def target(rule: DecodeRule, seen: int) -> int:
+    """Entries per head kept after a compression, `seen` tokens fed so far (kvpress's count for a ratio)."""
+    if rule.ratio is None:
+        return int(rule.budget)
+    from harness.methods.scoring import kvpress_kept
 
-    interval: int
-    budget: int | None = None
-    ratio: float | None = None
-    queries: int = DEFAULT_QUERIES
-    rerotate: bool = False
-
-    @classmethod
-    def from_options(cls, method, options: dict) -> "DecodeRule":
-        """From the method's `decode_*` options (registry.DECODE_OPTIONS); refuses, in one line, what cannot run."""
-        from harness.methods.base import ScoredMethod
-
-        name = method.name
-        interval = options.get("decode_interval")
-        require(interval is not None, f"method {name}: decode-time options need method.decode_interval (tokens between compressions)")
-        require(isinstance(interval, int) and not isinstance(interval, bool) and interval >= 1,
-                f"method.decode_interval={interval!r} must be a positive integer")
-        require(isinstance(method, ScoredMethod) and not method.across_layers and getattr(method, "EXACT_BUDGET", True),
-                f"method {name} cannot compress while decoding: its budget is not one count per layer and head "
-                "(decode-time compression re-runs a per-head scorer: snapkv, h2o, tova, streamingllm, knorm, rkv, ...)")
-        budget, ratio = options.get("decode_budget"), options.get("decode_ratio")
-        require(budget is None or ratio is None, f"method.decode_budget={budget} and method.decode_ratio={ratio} are exclusive: give one")
-        if budget is None and ratio is None:
-            require(isinstance(method.budget, int) and method.ratio is None,
-                    f"method {name}: give method.decode_budget (tokens kept per head per layer while decoding) or method.decode_ratio")
-            budget = method.budget
-        if ratio is not None:
-            require(isinstance(ratio, (int, float)) and 0 < float(ratio) <= 1, f"method.decode_ratio={ratio!r} must be in (0, 1]")
-        else:
-            require(isinstance(budget, int) and budget > method.window_size,
-                    f"method.decode_budget={budget!r} must be an integer larger than method.window_size={method.window_size}")
-        queries = options.get("decode_queries")
-        queries = DEFAULT_QUERIES if queries is None else queries
-        window = method.query_window
-        require(isinstance(queries, int) and queries >= max(1, window or 1),
-                f"method.decode_queries={queries!r} must be at least the {window or 1} queries method {name} scores with")
-        return cls(int(interval), budget, None if ratio is None else float(ratio), int(queries), bool(options.get("rerotate")))
-
-    def target(self, seen: int) -> int:
-        """Entries per head kept after a compression, `seen` tokens fed so far."""
-        if self.ratio is None:
-            return int(self.budget)
-        from harness.methods.scoring import kvpress_kept
-
-        return kvpress_kept(seen, self.ratio)
+    return kvpress_kept(seen, rule.ratio)
 
 
 def causal_attention(queries, query_pos, keys, key_pos, scaling: float | None) -> torch.Tensor:
@@ -198,8 +157,7 @@ class DecodeEvictor:
         if buffered is None or buffered[0].shape[2] < (self.method.query_window or 1):
             return  # the scorer's window of queries is not there yet (SnapKV's 32 after a query-aware prefill): wait
         seen = self.known_until + appended
-        target = self.rule.target(seen)
-        after = self.compress(layers, target)
+        after = self.compress(layers, target(self.rule, seen))
         self.known_until = seen
         if after < longest:  # something was cut (a cache still under the target is left as it is)
             self.events.append({"step": self.step_count, "seen": seen, "before": longest, "after": after})
@@ -259,10 +217,6 @@ def cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
 
 
-def describe(rule: DecodeRule) -> dict:
-    return {"interval": rule.interval, "budget": rule.budget, "ratio": rule.ratio, "queries": rule.queries, "rerotate": rule.rerotate}
-
-
 # ------------------------------------------------------------------------------------------ wiring
 
 
@@ -276,6 +230,7 @@ def attach(cache, method, *, start: int, kept: dict | None, model) -> DecodeEvic
     evictor = DecodeEvictor(method, start=start, kept=kept, modules=attention_modules(model),
                             rotary=rotary_of(model) if method.decode.rerotate else None)
     cache._kvharness_decode = evictor
+    cache._kvharness_after_step = evictor.step  # what the decode loop calls between steps (no reference back to the cache)
     return evictor
 
 
@@ -284,11 +239,11 @@ def evictor_of(cache) -> DecodeEvictor | None:
 
 
 def after_step(cache) -> None:
-    """Called by the decode loop between steps: every evicting cache of the batch (a RowsCache holds several)."""
-    for c in getattr(cache, "caches", None) or [cache]:
-        evictor = evictor_of(c)
-        if evictor is not None:
-            evictor.step(c)
+    """Between two forwards (decoding.greedy_decode does the same without importing this module): the cache's own
+    hook, an evictor's `step`, or a RowsCache's, which steps every setting's."""
+    hook = getattr(cache, "_kvharness_after_step", None)
+    if hook is not None:
+        hook(cache)
 
 
 @contextmanager

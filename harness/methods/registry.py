@@ -120,7 +120,7 @@ def build_method(cfg):
                            "needs it in tokens: give method.window_size=<tokens>")
     method = cls.from_config(options)
     if any(v is not None for v in decode.values()):
-        from harness.methods.decode_time import DecodeRule
+        from harness.methods.decode_rule import DecodeRule
 
         method.decode = DecodeRule.from_options(method, decode)
     return method
