@@ -14,6 +14,7 @@ TASKS = {
     "observation": "harness.tasks.observation",
     "lines": "harness.tasks.lines",
     "ruler": "harness.tasks.ruler",
+    "longbench_v2": "harness.tasks.longbench_v2",
 }
 
 SELF_MANAGED = ("bench",)  # known without importing the module (which loads torch)

@@ -1,0 +1,78 @@
+"""The field benchmarks' run tables (longbench_v2, infinitebench, scbench, ...): every setting's scores in the
+authors' layout, and each compressed setting against the full cache on the same items (paired 95% bootstrap
+interval of the per-item difference, harness/stats.py), written to the run directory as `<name>_table.md`.
+
+A task hands over, per setting tag, its rows and a function giving each row's group(s) and per-item score; the
+table's columns are the benchmark's groups in the authors' order. Only items both settings scored are paired.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable
+
+from harness.stats import bootstrap_mean_ci
+
+FULL = "full"
+
+
+def full_tag(settings) -> str | None:
+    """The tag of the run's full-cache setting (method name `full`), if one ran."""
+    for s in settings:
+        if getattr(s.method, "name", None) == FULL or s.tag == FULL:
+            return s.tag
+    return None
+
+
+def paired(rows: dict[str, list[dict]], reference: str, key: Callable[[dict], tuple], score: Callable[[dict], float | None],
+           groups: Callable[[dict], Iterable[str]], columns: list[str]) -> dict[str, dict[str, dict]]:
+    """{tag: {group: {"delta", "low", "high", "n"}}} (x 100) of every tag but `reference`: per-item score minus the
+    reference's on the items both scored (score not None), per group."""
+    ref = {key(r): r for r in rows[reference]}
+    out: dict[str, dict[str, dict]] = {}
+    for tag, recs in rows.items():
+        if tag == reference:
+            continue
+        diffs: dict[str, list[float]] = {c: [] for c in columns}
+        for r in recs:
+            other = ref.get(key(r))
+            if other is None or score(r) is None or score(other) is None:
+                continue
+            for g in groups(r):
+                if g in diffs:
+                    diffs[g].append(100.0 * (score(r) - score(other)))
+        out[tag] = {}
+        for g, d in diffs.items():
+            if d:
+                ci = bootstrap_mean_ci(d)
+                out[tag][g] = {"delta": round(ci.estimate, 2), "low": round(ci.low, 2), "high": round(ci.high, 2), "n": ci.n}
+    return out
+
+
+def _cell(v, digits: int = 1) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def markdown(title: str, columns: list[str], scores: dict[str, dict[str, float | None]], deltas: dict[str, dict[str, dict]],
+             reference: str | None, notes: list[str], digits: int = 1) -> str:
+    """Scores per setting (the authors' columns), then each setting minus the full cache with its interval."""
+    lines = [f"## {title}", "", "| Setting | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    for tag, row in scores.items():
+        lines.append(f"| {tag} | " + " | ".join(_cell(row.get(c), digits) for c in columns) + " |")
+    if reference and deltas:
+        lines += ["", f"Minus `{reference}` on the same items (points; paired 95% bootstrap interval, n items):", "",
+                  "| Setting | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+        for tag, by_group in deltas.items():
+            cells = [(f"{d['delta']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}] n={d['n']}" if (d := by_group.get(c)) else "–")
+                     for c in columns]
+            lines.append(f"| {tag} | " + " | ".join(cells) + " |")
+    elif not reference:
+        lines += ["", "No `full` setting in this run: no paired differences (add `full` to methods=[...])."]
+    lines += [""] + notes + [""]
+    return "\n".join(lines)
+
+
+def write(run_dir: Path, name: str, text: str) -> Path:
+    path = Path(run_dir) / f"{name}_table.md"
+    path.write_text(text, encoding="utf-8")
+    return path
