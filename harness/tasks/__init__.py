@@ -15,6 +15,7 @@ TASKS = {
     "lines": "harness.tasks.lines",
     "ruler": "harness.tasks.ruler",
     "longbench_v2": "harness.tasks.longbench_v2",
+    "infinitebench": "harness.tasks.infinitebench",
 }
 
 SELF_MANAGED = ("bench",)  # known without importing the module (which loads torch)
