@@ -14,8 +14,8 @@ TASKS = {
     "observation": "harness.tasks.observation",
     "lines": "harness.tasks.lines",
     "ruler": "harness.tasks.ruler",
-    "longbench_v2": "harness.tasks.longbench_v2",
-    "infinitebench": "harness.tasks.infinitebench",
+    "longbench_v2": "harness.tasks.longbench_v2.task",
+    "infinitebench": "harness.tasks.infinitebench.task",
 }
 
 SELF_MANAGED = ("bench",)  # known without importing the module (which loads torch)

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, compose
 from harness.app import execute
 from harness.errors import HarnessError
-from harness.tasks import infinitebench as ib
+from harness.tasks.infinitebench import task as ib
 from metrics.infinitebench import README_ORDER, get_answer, score_one
 
 FIXTURES = REPO / "tests" / "fixtures" / "infinitebench"

@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO, compose, run_cli
 from harness.app import execute
 from harness.errors import HarnessError
-from harness.tasks import hub_files, longbench_v2 as lbv2
+from harness.tasks import hub_files
+from harness.tasks.longbench_v2 import task as lbv2
 from metrics.longbench_v2 import table
 
 FIXTURES = REPO / "tests" / "fixtures" / "longbench_v2"
