@@ -20,6 +20,10 @@ TASK_ARGS = {
     "lines": (["task=lines", "task.lengths=[320]", "task.positions=[50]", "task.max_new_tokens=3"], "lines_cells.jsonl", "cells"),
     "longbench": (["task=longbench", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'longbench'}", "task.datasets=[trec]",
                    "task.limit=1"], "pred/trec.jsonl", None),
+    "longbench_v2": (["task=longbench_v2", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'longbench_v2'}", "task.limit=1"],
+                     "longbench_v2.jsonl", "items"),
+    "infinitebench": (["task=infinitebench", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'infinitebench'}",
+                       "task.tasks=[passkey]", "task.limit=1"], "infinitebench.jsonl", "items"),
 }
 COMMON_RECORD = {"protocol", "prompt_tokens", "question_start", "new_tokens", "stopped_by", "prefill_seconds", "decode_seconds",
                  "question_kept"}
