@@ -16,6 +16,7 @@ TASKS = {
     "ruler": "harness.tasks.ruler",
     "longbench_v2": "harness.tasks.longbench_v2.task",
     "infinitebench": "harness.tasks.infinitebench.task",
+    "scbench": "harness.tasks.scbench.task",
 }
 
 SELF_MANAGED = ("bench",)  # known without importing the module (which loads torch)

@@ -1,0 +1,1 @@
+"""SCBench: the task (task.py, multi-request mode); its scorer is metrics/scbench.py."""

@@ -1,0 +1,78 @@
+"""SCBench multi-request on its fixture (the authors' jsonl format, every task run here): one compressed context per item,
+every query prefilled on top of it (create_scdq_prompt's text, test_scdq's protocol), per-turn official scores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO, compose
+from harness.app import execute
+from harness.errors import HarnessError
+from harness.tasks import contract
+from harness.tasks.scbench import task as sc
+from metrics.scbench import score_one
+
+FIXTURES = REPO / "tests" / "fixtures" / "scbench"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def row(task):
+    return json.loads((FIXTURES / f"{task}.jsonl").read_text(encoding="utf-8"))
+
+
+def test_texts_are_create_scdq_prompt():
+    context, queries = sc.texts(row("scbench_choice_eng"), "scbench_choice_eng")
+    assert context.startswith("Read the book and answer the question.\n\nMara walked")
+    assert queries[0] == ("Question: What was the name of the ship?\nA. The Heron\nB. The Gull\nC. The Swan\nD. The Crow\n\n"
+                          "The the correct answer is")
+    context, queries = sc.texts(row("scbench_mf"), "scbench_mf")
+    assert context.startswith(row("scbench_mf")["multi_turns"][0]["input"] + "\n\n[")  # the first turn's input heads the context
+    assert queries[1].startswith("What is the smallest number of the list?\n\nYou should answer")
+    assert sc.ground_truth(row("scbench_choice_eng")["multi_turns"][1], "scbench_choice_eng") == ["Tomas", "C"]
+    assert sc.ground_truth(row("scbench_qa_eng")["multi_turns"][0], "scbench_qa_eng") == ["Mara"]
+
+
+def test_chat_split_at_the_delimiter(tiny_random):
+    tok = tiny_random.tokenizer
+    context, queries = sc.chat_parts(tok, "CTX", ["Q1"], True)
+    assert context.endswith("CTX") and "<|im_start|>user" in context
+    assert queries[0].startswith("Q1") and queries[0].rstrip().endswith("<|im_start|>assistant")
+    assert sc.truncate_ids(list(range(10)), 5) == [0, 1, 8, 9] and sc.truncate_ids([1, 2], -1) == [1, 2]
+
+
+def test_every_task_runs_multi_request_from_one_context_prefill(tmp_path, monkeypatch):
+    calls = []
+    real = contract.generate_settings
+
+    def spy(loaded, methods, prompt, **kw):
+        calls.append((len(prompt.questions), kw["query_aware"], kw["max_new_tokens"]))
+        return real(loaded, methods, prompt, **{**kw, "max_new_tokens": min(kw["max_new_tokens"], 3)})
+
+    monkeypatch.setattr(contract, "generate_settings", spy)
+    cfg = compose("task=scbench", "model=tiny-random", f"task.data_dir={FIXTURES}", "progress=false",
+                  "methods=[full,{name: snapkv, budget: 32, window_size: 4}]")
+    execute(cfg, tmp_path)
+    assert len(calls) == len(sc.SCORED) and all(k == 2 and qa is False for k, qa, _ in calls)
+    assert sorted(n for *_, n in calls) == sorted(sc.templates()["max_new_tokens"][t] for t in sc.SCORED)
+    recs = [json.loads(line) for line in (tmp_path / "full" / "scbench.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert len(recs) == 2 * len(sc.SCORED)
+    for r in recs:
+        turn = row(r["task"])["multi_turns"][r["turn_idx"]]
+        assert r["ground_truth"] == sc.ground_truth(turn, r["task"]) and r["score"] == score_one(r["task"], r["prediction"], r["ground_truth"])
+        assert r["question_index"] == r["turn_idx"] and r["question_kept"] == 1.0 and r["protocol"] == "query_agnostic"
+    summary = json.loads((tmp_path / "full" / "results.json").read_text(encoding="utf-8"))["summary"]
+    assert set(summary["by_turn"]["scbench_kv"]) == {"0", "1"} and summary["mode"] == "multi_request"
+    assert "Minus `full`" in (tmp_path / "scbench_table.md").read_text(encoding="utf-8")
+
+
+def test_refusals_are_one_line():
+    base = ("task=scbench", f"task.data_dir={FIXTURES}")
+    with pytest.raises(HarnessError, match="set task.query_aware=false"):
+        sc.validate(compose(*base, "task.query_aware=true").task)
+    with pytest.raises(HarnessError, match="only multi_request runs here"):
+        sc.validate(compose(*base, "task.mode=multi_turn").task)
+    with pytest.raises(HarnessError, match="scbench_repoqa and the mixed tasks are not implemented"):
+        sc.validate(compose(*base, "task.tasks=[scbench_repoqa]").task)
