@@ -1,21 +1,24 @@
-"""SCBench multi-request mode (microsoft/MInference scbench: run_scbench.py --same_context_different_query,
-eval_utils.create_scdq_prompt and GreedySearch.test_scdq): every query of an item asked over ONE compressed context.
+"""SCBench (microsoft/MInference scbench: run_scbench.py, eval_utils.create_scdq_prompt / create_multiturn_prompt,
+GreedySearch.test_scdq / test, compute_scores.py), both shared-context modes from one run (`task.modes`), each an item
+of its own over one compressed context:
 
-The context prompt is the task's scdq template (metrics/data/scbench/scdq_templates.json) rendered in the model's chat
-template up to the user message's end (the authors split the rendered text at a delimiter appended to the message);
-each query is the text after that delimiter in a chat of an empty system message and the delimiter + the query (the
-user turn's closing and the assistant header follow it). Context: `tok.encode(text)` (special tokens included, the
-template's own BOS text too, as the authors) middle-truncated to `task.max_seq_length - max_new_tokens * turns - 1000`
-tokens (ids[:L//2] + ids[-(L//2):]); queries: `encode(query, add_special_tokens=False)`. The context is prefilled and
-compressed once; every query is prefilled on top of it, uncompressed, and answered greedily with at most the task's
-DATA_NAME_TO_MAX_NEW_TOKENS, the query's tokens and answer discarded before the next query (update_global_past_kv=False):
-the harness's query-agnostic many-questions protocol (docs/many_questions.md), so `task.query_aware` must be false.
-Answers are decoded with their special tokens (the authors decode without skipping them) and scored per turn by
-metrics/scbench.py.
+- multi_request (--same_context_different_query): the context prompt is the task's scdq template rendered in the chat
+  template up to the user message's end (the authors split the rendered text at a delimiter); each query is the text
+  after the delimiter in a chat of an empty system message and the delimiter + the query. Context tokens are
+  `tok.encode(text)` (special tokens on top of the template's own, as the authors), middle-truncated to
+  `max_seq_length - max_new_tokens * turns - 1000`; queries `encode(query, add_special_tokens=False)`.
+- multi_turn (the default mode, golden context): turn 1 is the context and the first query in one user message
+  (multiturn_templates), truncated to `max_seq_length - max_new_tokens * turns`; turn i > 1 is
+  `[system "", assistant: <turn i-1's GOLD answer>, user: <query i>]` rendered with the generation prompt, its empty-system
+  prefix cut off. The authors' decoding keeps every prompt in the cache and drops every generated token (a temporary
+  cache), so turn i is answered after the compressed context + turn 1's query + the gold follow-ups 2..i.
 
-Not provided (issue 36, see docs/field_benchmarks.md): the multi-turn mode (the authors feed each turn the previous
-turn's GOLD answer, which the many-questions machinery cannot place yet), scbench_repoqa (its scorer parses code with
-tree-sitter), and the mixed tasks scbench_summary_with_needles / scbench_repoqa_and_kv.
+Both are the harness's query-agnostic many-questions protocol (`task.query_aware` must be false): the context is
+prefilled and compressed once per item and mode, every question prefilled on top of it, uncompressed, and answered
+greedily with at most DATA_NAME_TO_MAX_NEW_TOKENS; in multi_turn question i holds turn 1's query and the follow-ups up to
+i. One named difference: turn 1's query is prefilled after compression (the text after `{context}` in its template),
+where the authors compress it with the context. Answers are decoded with their special tokens (as the authors) and
+scored per turn by metrics/scbench.py. Not provided: scbench_repoqa (tree-sitter scoring) and the mixed tasks.
 """
 
 from __future__ import annotations
@@ -35,19 +38,21 @@ from harness.tasks import contract, field_tables
 from harness.tasks.common import Prompt, Question
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.hub_files import data_file
+from harness.tasks.longbench_data import suffix_start
 from metrics.scbench import TASKS, score_one
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
-GRID_KEYS = ("tasks", "limit", "max_turns")
+GRID_KEYS = ("tasks", "limit", "max_turns", "modes")
+MODES = ("multi_request", "multi_turn")
 DELIMITER = "[SEPSEPSEP]"
 SCORED = tuple(t for t in TASKS if t != "scbench_passkey")  # passkey is only a part of summary_with_needles
 
 
 @lru_cache(maxsize=1)
 def templates() -> dict:
-    return json.loads(resources.files("metrics").joinpath("data", "scbench", "scdq_templates.json").read_text(encoding="utf-8"))
+    return json.loads(resources.files("metrics").joinpath("data", "scbench", "templates.json").read_text(encoding="utf-8"))
 
 
 def ground_truth(turn: dict, task: str):
@@ -75,6 +80,34 @@ def texts(row: dict, task: str) -> tuple[str, list[str]]:
             queries.append(query_t.format(prefix=f"What is {found[0].lower()[:-3]}?", input=t["input"]))
         return context_t.format(prefix=turns[0]["input"], context=row["context"]), queries
     return context_t.format(context=row.get("context", row.get("input"))), [t["input"] for t in turns]
+
+
+def turn_fields(turn: dict, task: str) -> dict:
+    """The template values of one turn (create_multiturn_prompt)."""
+    out = {"input": turn["input"], "question": turn["input"]}
+    if task == "scbench_choice_eng":
+        out.update({f"OPTION_{c}": turn["options"][i] for i, c in enumerate("ABCD")})
+    if task == "scbench_mf":
+        found = re.findall(r"The .+ is", turn["input"])
+        require(found, "SCBench scbench_mf: no 'The ... is' in a turn's input")
+        out["prefix"] = f"What is {found[0].lower()[:-3]}?"
+    return out
+
+
+def multiturn_texts(tokenizer, row: dict, task: str) -> tuple[str, str, list[str]]:
+    """create_multiturn_prompt with the chat template and the golden context: (first turn's text, its text after the
+    context, the follow-up texts of turns 2..n)."""
+    turns, first_t = row["multi_turns"], templates()["multiturn_templates"][task]
+    values = turn_fields(turns[0], task)
+    first = tokenizer.apply_chat_template([{"role": "user", "content": first_t.format(context=row["context"], **values)}],
+                                          add_generation_prompt=True, tokenize=False)
+    tail = first_t.split("{context}", 1)[1].format(**values)
+    system = tokenizer.apply_chat_template([{"role": "system", "content": ""}], add_generation_prompt=True, tokenize=False)
+    follow = [tokenizer.apply_chat_template(
+        [{"role": "system", "content": ""}, {"role": "assistant", "content": str(turns[i - 1]["answer"])},
+         {"role": "user", "content": templates()["query_templates"][task].format(**turn_fields(turns[i], task))}],
+        add_generation_prompt=True, tokenize=False).replace(system, "") for i in range(1, len(turns))]
+    return first, tail, follow
 
 
 def chat_parts(tokenizer, context: str, queries: list[str], use_chat_template: bool) -> tuple[str, list[str]]:
@@ -142,11 +175,13 @@ def validate(task_cfg: DictConfig) -> None:
     for n in names:
         require(n in SCORED, f"task.tasks: {n!r} is not an SCBench task this harness runs ({', '.join(SCORED)}); "
                              "scbench_repoqa and the mixed tasks are not implemented")
-    require(task_cfg.get("mode", "multi_request") == "multi_request",
-            f"task.mode={task_cfg.get('mode')!r}: only multi_request runs here; SCBench's multi-turn mode feeds each turn the "
-            "previous turn's gold answer, which is not implemented (docs/field_benchmarks.md)")
+    modes = list(task_cfg.get("modes") or [])
+    require(modes and all(m in MODES for m in modes) and len(set(modes)) == len(modes),
+            f"task.modes={modes!r}: give one or both of {', '.join(MODES)}")
     require(task_cfg.get("query_aware") is False,
-            "task=scbench asks every query over one compressed context: set task.query_aware=false (the multi-request mode)")
+            "task=scbench asks every query over one compressed context: set task.query_aware=false")
+    require(task_cfg.get("use_chat_template", True) or modes == ["multi_request"],
+            "task.use_chat_template=false: only the multi_request mode is provided without the chat template")
     turns, limit = task_cfg.get("max_turns"), task_cfg.get("limit")
     require(turns is None or (isinstance(turns, int) and turns > 0), f"task.max_turns={turns!r} must be a positive count or null")
     require(limit is None or (isinstance(limit, int) and limit > 0), f"task.limit={limit!r} must be a positive item count or null")
@@ -155,8 +190,8 @@ def validate(task_cfg: DictConfig) -> None:
 
 
 class SCBench(GenerationTask):
-    log_name, key_fields, noun = "scbench", ("task", "index"), "items"
-    csv_columns = ("task", "index", "question_index", "score", "protocol", "prompt_tokens", "question_start", "truncated",
+    log_name, key_fields, noun = "scbench", ("task", "index", "mode"), "items"
+    csv_columns = ("task", "index", "mode", "question_index", "score", "protocol", "prompt_tokens", "question_start", "truncated",
                    "new_tokens", "stopped_by", "prediction")
 
     def __init__(self, cfg: DictConfig, loaded: LoadedModel):
@@ -168,35 +203,44 @@ class SCBench(GenerationTask):
         self.origin = next(iter(loaded_rows.values()))[1]
         self.chat = bool(self.task.get("use_chat_template", True))
         self.max_seq_length = int(self.task.max_seq_length)
+        self.modes = [str(m) for m in self.task.modes]
         self.decode = dict(eos_token_ids=loaded.eos_token_ids)
 
     def items(self) -> list[tuple]:
-        return [(n, i) for n in self.names for i in range(len(self.rows[n]))]
+        return [(n, i, m) for m in self.modes for n in self.names for i in range(len(self.rows[n]))]
 
     def questions(self, key) -> int:
         return len(self.rows[key[0]][key[1]]["multi_turns"])
 
-    def budget(self, name: str, turns: int) -> int:
+    def budget(self, name: str, turns: int, mode: str) -> int:
         """run_scbench.py: max_seq_length - max_new_tokens * turns, minus 1000 in the multi-request mode; capped at the model."""
-        official = self.max_seq_length - templates()["max_new_tokens"][name] * turns - 1000
+        official = self.max_seq_length - templates()["max_new_tokens"][name] * turns - (1000 if mode == "multi_request" else 0)
         own = self.loaded.prompt_max_length
         return min(official, int(own)) if own else official
 
     def build(self, item) -> Built:
-        name, index = item
+        name, index, mode = item
         row, tok = self.rows[name][index], self.loaded.tokenizer
-        context, queries = chat_parts(tok, *texts(row, name), self.chat)
-        raw = tok.encode(context)
-        ids = truncate_ids(raw, self.budget(name, len(queries)))
-        questions = []
-        for q in queries:
-            q_ids = tok.encode(q, add_special_tokens=False)
-            questions.append(Question(q_ids, {"question": (len(ids), len(ids) + len(q_ids))}))
+        turns = len(row["multi_turns"])
+        if mode == "multi_request":
+            context, queries = chat_parts(tok, *texts(row, name), self.chat)
+            raw = tok.encode(context)
+            ids = truncate_ids(raw, self.budget(name, turns, mode))
+            asked = [tok.encode(q, add_special_tokens=False) for q in queries]
+        else:
+            first, tail, follow = multiturn_texts(tok, row, name)
+            raw = tok.encode(first)
+            whole = truncate_ids(raw, self.budget(name, turns, mode))
+            start = suffix_start(whole, tok, tail)
+            ids, asked = whole[:start], [whole[start:]]
+            for text in follow:  # turn i: turn 1's query, then the gold follow-ups 2..i
+                asked.append(asked[-1] + tok.encode(text, add_special_tokens=False))
+        questions = [Question(q, {"question": (len(ids), len(ids) + len(q))}) for q in asked]
         return Built(Prompt(ids, questions=questions), decode={"max_new_tokens": templates()["max_new_tokens"][name]},
-                     data={"raw_prompt_tokens": len(raw), "truncated": len(ids) < len(raw)})
+                     data={"raw_prompt_tokens": len(raw), "truncated": len(raw) > (len(ids) + len(asked[0]) if mode == "multi_turn" else len(ids))})
 
     def record(self, item, built: Built, i: int, text: str, answer) -> dict:
-        name, index = item
+        name, index, mode = item
         turn = self.rows[name][index]["multi_turns"][i]
         label = ground_truth(turn, name)
         # the authors decode the answer with its special tokens (tokenizer.decode without skip_special_tokens)
@@ -206,40 +250,65 @@ class SCBench(GenerationTask):
         except (TypeError, ValueError) as exc:  # the official scorer raises here (e.g. a list label for a substring test)
             score, error = None, f"{type(exc).__name__}: {exc}"
         return {"task": name, "index": index, "id": self.rows[name][index].get("id", index), "turn_idx": i,
-                "prediction": prediction, "ground_truth": label, "score": score, "score_error": error, "mode": "multi_request",
+                "prediction": prediction, "ground_truth": label, "score": score, "score_error": error, "mode": mode,
                 "raw_prompt_tokens": built.data["raw_prompt_tokens"], "truncated": built.data["truncated"]}
 
     def summarize(self, rows: list[dict]) -> dict:
-        by_task, by_turn, errors = {}, {}, {}
-        for n in self.names:
-            mine = [r for r in rows if r["task"] == n]
-            bad = [r for r in mine if r["score_error"]]
-            if bad:
-                errors[n] = f"{len(bad)} turn(s): {bad[0]['score_error']}"
-            ok = mine and not bad
-            by_task[n] = round(100 * sum(r["score"] for r in mine) / len(mine), 2) if ok else None
-            turns = sorted({r["turn_idx"] for r in mine})
-            by_turn[n] = {str(t): (round(100 * sum(r["score"] for r in mine if r["turn_idx"] == t)
-                                         / sum(r["turn_idx"] == t for r in mine), 2) if ok else None) for t in turns}
-        return {"score_name": "scbench", "main_score": None, "mode": "multi_request", "scores": by_task, "by_turn": by_turn,
-                "scorer_errors": errors, "use_chat_template": self.chat, "data": self.origin,
-                "max_seq_length": self.max_seq_length, "turns": len(rows), "sampling": "greedy (GreedySearch)"}
+        """Per mode: each task's score over all turns and per turn (100 x the mean); None where the official scorer raised."""
+        out: dict = {"score_name": "scbench", "main_score": None, "modes": self.modes, "scorer_errors": {},
+                     "use_chat_template": self.chat, "data": self.origin, "max_seq_length": self.max_seq_length,
+                     "turns": len(rows), "sampling": "greedy (GreedySearch)", "turn1_query": "prefilled after compression"}
+        for mode in self.modes:
+            by_task, by_turn = {}, {}
+            for n in self.names:
+                mine = [r for r in rows if r["task"] == n and r["mode"] == mode]
+                bad = [r for r in mine if r["score_error"]]
+                if bad:
+                    out["scorer_errors"][f"{mode}/{n}"] = f"{len(bad)} turn(s): {bad[0]['score_error']}"
+                ok = bool(mine) and not bad
+                by_task[n] = _pct([r["score"] for r in mine]) if ok else None
+                by_turn[n] = {str(t): (_pct([r["score"] for r in mine if r["turn_idx"] == t]) if ok else None)
+                              for t in sorted({r["turn_idx"] for r in mine})}
+            out[mode] = {"scores": by_task, "by_turn": by_turn}
+        return out
+
+
+def _pct(values: list[float]) -> float:
+    return round(100 * sum(values) / len(values), 2)
 
 
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
+    """Both modes' items for every setting (contract.run); `scbench_table.md`: per mode, per task, then per turn."""
     task = SCBench(cfg, loaded)
     results = contract.run(task, settings, progress=progress)
-    columns = list(task.names)
-    rows = {tag: res["rows"] for tag, res in results.items()}
     reference = field_tables.full_tag(settings)
-    deltas = (field_tables.paired(rows, reference, lambda r: (r["task"], r["index"], r["turn_idx"]), lambda r: r["score"],
-                                  lambda r: (r["task"],), columns) if reference else {})
-    scores = {tag: res["summary"]["scores"] for tag, res in results.items()}
-    notes = [f"{loaded.name}, multi-request (every query over one compressed context), chat template={task.chat}, greedy. "
-             "Score (%) per task over all turns (per turn: the summary's by_turn); '–': the official scorer raised."]
-    for s in settings:
-        results[s.tag]["summary"]["paired_vs_full"] = deltas.get(s.tag, {})
+    sections = []
+    for mode in task.modes:
+        rows = {tag: [r for r in res["rows"] if r["mode"] == mode] for tag, res in results.items()}
+        turns = sorted({r["turn_idx"] for recs in rows.values() for r in recs})
+        for title, columns, group in (
+                ("per task", list(task.names), lambda r: (r["task"],)),
+                ("per turn, over the tasks", [f"turn {t + 1}" for t in turns], lambda r: (f"turn {r['turn_idx'] + 1}",))):
+            deltas = (field_tables.paired(rows, reference, lambda r: (r["task"], r["index"], r["turn_idx"]), lambda r: r["score"],
+                                          group, columns) if reference else {})
+            scores = {tag: _grouped(recs, group, columns) for tag, recs in rows.items()}
+            sections.append(field_tables.markdown(f"SCBench · {mode.replace('_', '-')} · {title}", columns, scores, deltas,
+                                                  reference, [], digits=2))
+            if title == "per task":
+                for s in settings:
+                    results[s.tag]["summary"].setdefault("paired_vs_full", {})[mode] = deltas.get(s.tag, {})
     if settings:
-        text = field_tables.markdown("SCBench · multi-request", columns, scores, deltas, reference, notes, digits=2)
+        note = (f"{loaded.name}, chat template={task.chat}, greedy, query-agnostic (turn 1's query prefilled after compression). "
+                "Score (%) over the turns; '–': none, or the official scorer raised (the summary's scorer_errors).")
+        text = "\n".join(sections) + "\n" + note + "\n"
         log.info("SCBench table: %s", field_tables.write(Path(settings[0].run_dir.path).parent, "scbench", text))
     return results
+
+
+def _grouped(recs: list[dict], group, columns: list[str]) -> dict:
+    """100 x the mean score per column; None for a column with a turn the official scorer could not score."""
+    out = {}
+    for c in columns:
+        scores = [r["score"] for r in recs if c in group(r)]
+        out[c] = _pct(scores) if scores and None not in scores else None
+    return out
