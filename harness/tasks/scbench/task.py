@@ -44,7 +44,7 @@ from metrics.scbench import TASKS, score_one
 log = logging.getLogger(__name__)
 
 PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
-GRID_KEYS = ("tasks", "limit", "max_turns", "modes")
+GRID_KEYS = ("tasks", "limit", "modes")  # not max_turns: the context budget depends on the turn count
 MODES = ("multi_request", "multi_turn")
 DELIMITER = "[SEPSEPSEP]"
 SCORED = tuple(t for t in TASKS if t != "scbench_passkey")  # passkey is only a part of summary_with_needles
@@ -225,19 +225,19 @@ class SCBench(GenerationTask):
         if mode == "multi_request":
             context, queries = chat_parts(tok, *texts(row, name), self.chat)
             raw = tok.encode(context)
-            ids = truncate_ids(raw, self.budget(name, turns, mode))
+            ids = kept = truncate_ids(raw, self.budget(name, turns, mode))
             asked = [tok.encode(q, add_special_tokens=False) for q in queries]
         else:
             first, tail, follow = multiturn_texts(tok, row, name)
             raw = tok.encode(first)
-            whole = truncate_ids(raw, self.budget(name, turns, mode))
-            start = suffix_start(whole, tok, tail)
-            ids, asked = whole[:start], [whole[start:]]
+            kept = truncate_ids(raw, self.budget(name, turns, mode))
+            start = suffix_start(kept, tok, tail)
+            ids, asked = kept[:start], [kept[start:]]
             for text in follow:  # turn i: turn 1's query, then the gold follow-ups 2..i
                 asked.append(asked[-1] + tok.encode(text, add_special_tokens=False))
         questions = [Question(q, {"question": (len(ids), len(ids) + len(q))}) for q in asked]
         return Built(Prompt(ids, questions=questions), decode={"max_new_tokens": templates()["max_new_tokens"][name]},
-                     data={"raw_prompt_tokens": len(raw), "truncated": len(raw) > (len(ids) + len(asked[0]) if mode == "multi_turn" else len(ids))})
+                     data={"raw_prompt_tokens": len(raw), "truncated": len(kept) < len(raw)})
 
     def record(self, item, built: Built, i: int, text: str, answer) -> dict:
         name, index, mode = item
