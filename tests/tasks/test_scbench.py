@@ -55,6 +55,13 @@ def test_multi_turn_questions_carry_the_gold_history(tiny_random):
     request = task.build(("scbench_qa_eng", 0, "multi_request"))
     assert tok.decode(request.prompt.questions[1].ids).startswith("Question: Who kept the lamp?\nAnswer:")
     assert data["multi_turns"][0]["answer"] == "Mara"
+    tiny_random.prompt_max_length, before = 64, tiny_random.prompt_max_length  # the context budget: middle truncation
+    try:
+        cut = task.build(("scbench_qa_eng", 0, "multi_turn"))
+    finally:
+        tiny_random.prompt_max_length = before
+    assert cut.data["truncated"] and len(cut.prompt.ids) + len(cut.prompt.questions[0].ids) == 64
+    assert tok.decode(cut.prompt.questions[0].ids).lstrip().startswith("Question: Who rowed out")
 
 
 def test_both_modes_of_every_task_from_one_run(tmp_path, monkeypatch):
