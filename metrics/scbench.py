@@ -12,6 +12,9 @@ SCBench reuses InfiniteBench's scorers under its own task names, several of them
 - scbench_vt: string_match_all, the share of references found (case-insensitive), rounded to 2 places;
 - scbench_choice_eng, scbench_passkey, scbench_summary: as InfiniteBench (first character, first integer, rougeLsum).
 scbench_repoqa (tree-sitter parsing and BLEU over the repository's functions) is not implemented.
+
+`scorer="corrected"` fixes the plain bugs: a string label is one reference (never walked per character) for qa_eng,
+qa_chn, many_shot and vt, and a list label of the substring tasks is read as its references (any one found counts).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ def string_match_all(pred: str, ref) -> float:
     return round(sum(1.0 if r.lower() in pred.lower() else 0.0 for r in ref) / len(ref), 2)
 
 
+SCORERS = ("official", "corrected")
+PER_CHARACTER = ("scbench_qa_eng", "scbench_qa_chn", "scbench_many_shot", "scbench_vt")  # a string label is walked
+
 SCORE_ONE = {
     "scbench_kv": substring, "scbench_prefix_suffix": substring, "scbench_vt": string_match_all,
     "scbench_qa_eng": any_item_upper, "scbench_many_shot": any_item_upper, "scbench_mf": first_number_int,
@@ -61,6 +67,11 @@ SCORE_ONE = {
 }
 
 
-def score_one(task: str, pred: str, label) -> float:
+def score_one(task: str, pred: str, label, scorer: str = "official") -> float:
     """One turn's score, a float (compute_scores.get_score_one after the task-name mapping)."""
+    if scorer == "corrected":
+        if task in PER_CHARACTER and isinstance(label, str):
+            label = [label]
+        if task in ("scbench_kv", "scbench_prefix_suffix") and isinstance(label, list):
+            return float(any(substring(pred, item) for item in label))
     return float(SCORE_ONE[task](pred, label))

@@ -36,3 +36,11 @@ def test_named_quirks():
     assert score_one("scbench_qa_chn", "哥", "哥哥") == 1.0                      # a string label, walked per character
     assert score_one("scbench_kv", "id abc-1.", "abc-1") == 1.0                # a substring
     assert score_one("scbench_mf", "42.9", [42]) == 1.0 and score_one("scbench_mf", "-17", [-17]) == 0.0
+
+
+def test_corrected_scorer():
+    assert score_one("scbench_many_shot", "negative", "(A)", "corrected") == 0.0
+    assert score_one("scbench_many_shot", "(A)", "(A)", "corrected") == 1.0
+    assert score_one("scbench_qa_chn", "哥", "哥哥", "corrected") == score_one("scbench_qa_chn", "哥", ["哥哥"])
+    assert score_one("scbench_kv", "id abc-1.", ["zzz", "abc-1"], "corrected") == 1.0
+    assert score_one("scbench_vt", "A", "AB") == 0.5 and score_one("scbench_vt", "A", "AB", "corrected") == 0.0

@@ -18,7 +18,7 @@ prefilled and compressed once per item and mode, every question prefilled on top
 greedily with at most DATA_NAME_TO_MAX_NEW_TOKENS; in multi_turn question i holds turn 1's query and the follow-ups up to
 i. One named difference: turn 1's query is prefilled after compression (the text after `{context}` in its template),
 where the authors compress it with the context. Answers are decoded with their special tokens (as the authors) and
-scored per turn by metrics/scbench.py. Not provided: scbench_repoqa (tree-sitter scoring) and the mixed tasks.
+scored per turn by metrics/scbench.py (`task.scorer`: official | corrected). Not provided: scbench_repoqa (tree-sitter scoring) and the mixed tasks.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from harness.tasks.common import Prompt, Question
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.hub_files import data_file
 from harness.tasks.longbench_data import suffix_start
-from metrics.scbench import TASKS, score_one
+from metrics.scbench import SCORERS, TASKS, score_one
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,7 @@ def validate(task_cfg: DictConfig) -> None:
             "task=scbench asks every query over one compressed context: set task.query_aware=false")
     require(task_cfg.get("use_chat_template", True) or modes == ["multi_request"],
             "task.use_chat_template=false: only the multi_request mode is provided without the chat template")
+    require(task_cfg.get("scorer", "official") in SCORERS, f"task.scorer={task_cfg.get('scorer')!r} is not one of {', '.join(SCORERS)}")
     turns, limit = task_cfg.get("max_turns"), task_cfg.get("limit")
     require(turns is None or (isinstance(turns, int) and turns > 0), f"task.max_turns={turns!r} must be a positive count or null")
     require(limit is None or (isinstance(limit, int) and limit > 0), f"task.limit={limit!r} must be a positive item count or null")
@@ -204,6 +205,7 @@ class SCBench(GenerationTask):
         self.chat = bool(self.task.get("use_chat_template", True))
         self.max_seq_length = int(self.task.max_seq_length)
         self.modes = [str(m) for m in self.task.modes]
+        self.scorer = str(self.task.get("scorer", "official"))
         self.decode = dict(eos_token_ids=loaded.eos_token_ids)
 
     def items(self) -> list[tuple]:
@@ -246,7 +248,7 @@ class SCBench(GenerationTask):
         # the authors decode the answer with its special tokens (tokenizer.decode without skip_special_tokens)
         prediction = self.loaded.tokenizer.decode(answer.generation.tokens[0])
         try:
-            score, error = score_one(name, prediction, label), None
+            score, error = score_one(name, prediction, label, self.scorer), None
         except (TypeError, ValueError) as exc:  # the official scorer raises here (e.g. a list label for a substring test)
             score, error = None, f"{type(exc).__name__}: {exc}"
         return {"task": name, "index": index, "id": self.rows[name][index].get("id", index), "turn_idx": i,
@@ -256,7 +258,7 @@ class SCBench(GenerationTask):
     def summarize(self, rows: list[dict]) -> dict:
         """Per mode: each task's score over all turns and per turn (100 x the mean); None where the official scorer raised."""
         out: dict = {"score_name": "scbench", "main_score": None, "modes": self.modes, "scorer_errors": {},
-                     "use_chat_template": self.chat, "data": self.origin, "max_seq_length": self.max_seq_length,
+                     "use_chat_template": self.chat, "scorer": self.scorer, "data": self.origin, "max_seq_length": self.max_seq_length,
                      "turns": len(rows), "sampling": "greedy (GreedySearch)", "turn1_query": "prefilled after compression"}
         for mode in self.modes:
             by_task, by_turn = {}, {}
