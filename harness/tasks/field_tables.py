@@ -1,9 +1,11 @@
-"""The field benchmarks' run tables (longbench_v2, infinitebench, scbench, ...): every setting's scores in the
-authors' layout, and each compressed setting against the full cache on the same items (paired 95% bootstrap
-interval of the per-item difference, harness/stats.py), written to the run directory as `<name>_table.md`.
+"""The field benchmarks' tables (longbench_v2, infinitebench, scbench): every setting's scores in the authors' layout,
+and each compressed setting against the full cache on the same items (paired 95% bootstrap interval of the per-item
+difference, harness/stats.py). A run writes them to its run directory as `<name>_table.md` (`markdown`, from its own
+settings).
 
-A task hands over, per setting tag, its rows and a function giving each row's group(s) and per-item score; the
-table's columns are the benchmark's groups in the authors' order. Only items both settings scored are paired.
+A task hands over, per setting tag, its rows (each with its per-item `score`, None when the item does not count) and a
+function giving each row's group(s); the columns are the benchmark's groups in the authors' order. Only items both
+settings scored are paired.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Iterable
 
-from harness.stats import bootstrap_mean_ci
+from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_mean_ci
 
 FULL = "full"
 
@@ -25,7 +27,8 @@ def full_tag(settings) -> str | None:
 
 
 def paired(rows: dict[str, list[dict]], reference: str, key: Callable[[dict], tuple], score: Callable[[dict], float | None],
-           groups: Callable[[dict], Iterable[str]], columns: list[str]) -> dict[str, dict[str, dict]]:
+           groups: Callable[[dict], Iterable[str]], columns: list[str], *, n_resamples: int = DEFAULT_RESAMPLES,
+           seed: int = DEFAULT_SEED) -> dict[str, dict[str, dict]]:
     """{tag: {group: {"delta", "low", "high", "n"}}} (x 100) of every tag but `reference`: per-item score minus the
     reference's on the items both scored (score not None), per group."""
     ref = {key(r): r for r in rows[reference]}
@@ -44,7 +47,7 @@ def paired(rows: dict[str, list[dict]], reference: str, key: Callable[[dict], tu
         out[tag] = {}
         for g, d in diffs.items():
             if d:
-                ci = bootstrap_mean_ci(d)
+                ci = bootstrap_mean_ci(d, n_resamples=n_resamples, seed=seed)
                 out[tag][g] = {"delta": round(ci.estimate, 2), "low": round(ci.low, 2), "high": round(ci.high, 2), "n": ci.n}
     return out
 
@@ -70,6 +73,18 @@ def markdown(title: str, columns: list[str], scores: dict[str, dict[str, float |
         lines += ["", "No `full` setting in this run: no paired differences (add `full` to methods=[...])."]
     lines += [""] + notes + [""]
     return "\n".join(lines)
+
+
+def grouped(rows: list[dict], groups: Callable[[dict], Iterable[str]], columns: list[str], digits: int,
+            strict: bool) -> dict[str, float | None]:
+    """100 x the mean `score` per column. Items scored None are left out; with `strict` a column holding one is None
+    instead (the official scorer raised there)."""
+    out: dict[str, float | None] = {}
+    for c in columns:
+        values = [r.get("score") for r in rows if c in groups(r)]
+        kept = [v for v in values if v is not None]
+        out[c] = None if not kept or (strict and len(kept) < len(values)) else round(100 * sum(kept) / len(kept), digits)
+    return out
 
 
 def write(run_dir: Path, name: str, text: str) -> Path:

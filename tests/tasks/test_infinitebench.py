@@ -46,9 +46,9 @@ def test_truncation_as_truncate_by_tokens(tiny_random):
 
 
 def test_all_tasks_run_with_methods_and_the_table(tmp_path, tiny_random):
-    cfg = compose("task=infinitebench", "model=tiny-random", f"task.data_dir={FIXTURES}", "progress=false",
-                  "task.max_new_tokens=4", "task.query_aware=false", "methods=[full,{name: snapkv, budget: 32, window_size: 4}]")
-    execute(cfg, tmp_path)
+    args = ["task=infinitebench", "model=tiny-random", f"task.data_dir={FIXTURES}", "progress=false",
+            "task.max_new_tokens=4", "task.query_aware=false", "methods=[full,{name: snapkv, budget: 32, window_size: 4}]"]
+    execute(compose(*args), tmp_path, overrides=args)
     recs = [json.loads(line) for line in (tmp_path / "full" / "infinitebench.jsonl").read_text(encoding="utf-8").splitlines()]
     assert {r["task"] for r in recs} == set(README_ORDER)
     for r in recs:

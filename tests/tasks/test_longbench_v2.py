@@ -21,8 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(tmp, *overrides, model="tiny-random"):
-    cfg = compose("task=longbench_v2", f"model={model}", f"task.data_dir={FIXTURES}", "progress=false", *overrides)
-    return execute(cfg, tmp)
+    args = ["task=longbench_v2", f"model={model}", f"task.data_dir={FIXTURES}", "progress=false", *overrides]
+    return execute(compose(*args), tmp, overrides=args)  # as the command line: every setting composed from these
 
 
 def records(setting_dir):

@@ -73,9 +73,9 @@ def test_both_modes_of_every_task_from_one_run(tmp_path, monkeypatch):
         return real(loaded, methods, prompt, **{**kw, "max_new_tokens": min(kw["max_new_tokens"], 3)})
 
     monkeypatch.setattr(contract, "generate_settings", spy)
-    cfg = compose("task=scbench", "model=tiny-random", f"task.data_dir={FIXTURES}", "progress=false",
-                  "methods=[full,{name: snapkv, budget: 32, window_size: 4}]")
-    execute(cfg, tmp_path)
+    args = ["task=scbench", "model=tiny-random", f"task.data_dir={FIXTURES}", "progress=false",
+            "methods=[full,{name: snapkv, budget: 32, window_size: 4}]"]
+    execute(compose(*args), tmp_path, overrides=args)
     assert len(calls) == 2 * len(sc.SCORED) and all(k == 2 and qa is False and not keep for k, qa, _, keep in calls)
     assert sorted(n for _, _, n, _ in calls) == sorted(2 * [sc.templates()["max_new_tokens"][t] for t in sc.SCORED])
     recs = [json.loads(line) for line in (tmp_path / "full" / "scbench.jsonl").read_text(encoding="utf-8").splitlines()]

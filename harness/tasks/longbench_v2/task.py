@@ -109,7 +109,7 @@ def validate(task: DictConfig) -> None:
 
 class LongBenchV2(GenerationTask):
     log_name, key_fields, noun = "longbench_v2", ("index",), "items"
-    csv_columns = ("index", "_id", "domain", "difficulty", "length", "answer", "pred", "judge", "counted", "protocol",
+    csv_columns = ("index", "_id", "domain", "difficulty", "length", "answer", "pred", "judge", "counted", "score", "protocol",
                    "prompt_tokens", "question_start", "truncated", "question_kept", "new_tokens", "stopped_by", "response")
 
     def __init__(self, cfg: DictConfig, loaded: LoadedModel):
@@ -140,8 +140,11 @@ class LongBenchV2(GenerationTask):
     def record(self, item, built: Built, i: int, text: str, answer) -> dict:
         row = self.rows[item[0]]
         pred, correct = judge(text, row["answer"], self.scorer)
+        kept = counted(text, self.scorer)
+        # the item's share of result.py's accuracy: 1/0 (0.25 unanswered when compensated); None: left out (pred.py skips '')
+        score = (0.25 if self.compensated and pred is None else float(correct)) if kept else None
         out = {"index": item[0], **{k: row[k] for k in ("_id", "domain", "sub_domain", "difficulty", "length", "answer")},
-               "response": text, "pred": pred, "judge": correct, "counted": counted(text, self.scorer),
+               "response": text, "pred": pred, "judge": correct, "counted": kept, "score": score,
                "raw_prompt_tokens": built.data["raw_prompt_tokens"], "truncated": built.data["truncated"]}
         if self.task.get("log_prompts"):
             out["prompt"] = built.data["text"]
@@ -159,15 +162,6 @@ class LongBenchV2(GenerationTask):
                 "sampling": "greedy (official: temperature 0.1)", "template": "0shot"}
 
 
-def item_score(task: LongBenchV2):
-    """Per-item score for the paired table: 1/0 (0.25 unanswered when compensated); None when not counted."""
-    def score(r: dict) -> float | None:
-        if not r["counted"]:
-            return None
-        return 0.25 if task.compensated and r["pred"] is None else float(r["judge"])
-    return score
-
-
 def groups(r: dict) -> tuple[str, ...]:
     return ("Overall", "Easy" if r["difficulty"] == "easy" else "Hard", {"short": "Short", "medium": "Medium"}.get(r["length"], "Long"))
 
@@ -177,7 +171,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     results = contract.run(task, settings, progress=progress)
     rows = {tag: res["rows"] for tag, res in results.items()}
     reference = field_tables.full_tag(settings)
-    deltas = field_tables.paired(rows, reference, lambda r: (r["index"], r["_id"]), item_score(task), groups, list(GROUPS)) if reference else {}
+    deltas = field_tables.paired(rows, reference, lambda r: (r["index"], r["_id"]), lambda r: r["score"], groups, list(GROUPS)) if reference else {}
     scores = {tag: res["summary"]["scores"] for tag, res in results.items()}
     notes = [f"{loaded.name}, {task.protocol}, scorer={task.scorer}, compensated={task.compensated}, truncation budget "
              f"{task.budget} tokens (official {task.official_budget}), greedy, {MAX_NEW_TOKENS} new tokens. Accuracy (%), "

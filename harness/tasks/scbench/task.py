@@ -293,7 +293,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
                 ("per turn, over the tasks", [f"turn {t + 1}" for t in turns], lambda r: (f"turn {r['turn_idx'] + 1}",))):
             deltas = (field_tables.paired(rows, reference, lambda r: (r["task"], r["index"], r["turn_idx"]), lambda r: r["score"],
                                           group, columns) if reference else {})
-            scores = {tag: _grouped(recs, group, columns) for tag, recs in rows.items()}
+            scores = {tag: field_tables.grouped(recs, group, columns, 2, strict=True) for tag, recs in rows.items()}
             sections.append(field_tables.markdown(f"SCBench · {mode.replace('_', '-')} · {title}", columns, scores, deltas,
                                                   reference, [], digits=2))
             if title == "per task":
@@ -305,12 +305,3 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
         text = "\n".join(sections) + "\n" + note + "\n"
         log.info("SCBench table: %s", field_tables.write(Path(settings[0].run_dir.path).parent, "scbench", text))
     return results
-
-
-def _grouped(recs: list[dict], group, columns: list[str]) -> dict:
-    """100 x the mean score per column; None for a column with a turn the official scorer could not score."""
-    out = {}
-    for c in columns:
-        scores = [r["score"] for r in recs if c in group(r)]
-        out[c] = _pct(scores) if scores and None not in scores else None
-    return out
