@@ -1,7 +1,8 @@
 """The field benchmarks' tables (longbench_v2, infinitebench, scbench): every setting's scores in the authors' layout,
 and each compressed setting against the full cache on the same items (paired 95% bootstrap interval of the per-item
 difference, harness/stats.py). A run writes them to its run directory as `<name>_table.md` (`markdown`, from its own
-settings).
+settings); `python -m harness.report` writes `<name>.md` in the table set (`report`, from every collected run, the runs
+grouped by harness.results.pair_key: same model, task settings and protocol).
 
 A task hands over, per setting tag, its rows (each with its per-item `score`, None when the item does not count) and a
 function giving each row's group(s); the columns are the benchmark's groups in the authors' order. Only items both
@@ -85,6 +86,38 @@ def grouped(rows: list[dict], groups: Callable[[dict], Iterable[str]], columns: 
         kept = [v for v in values if v is not None]
         out[c] = None if not kept or (strict and len(kept) < len(values)) else round(100 * sum(kept) / len(kept), digits)
     return out
+
+
+def report(runs, out: Path, options, *, name: str, title: str, views, key, digits: int, strict: bool):
+    """The table set's `<name>.md`: per group of comparable runs (model, protocol, task settings), one table per view
+    `(subtitle, select(row) -> bool, columns, groups(row))`, each setting's scores then its difference to `full`."""
+    from harness.results import method_name, pair_key
+    from harness.tables import Tables
+
+    by_key: dict[str, list] = {}
+    for run in runs:
+        by_key.setdefault(pair_key(run), []).append(run)
+    parts = []
+    for members in by_key.values():
+        members.sort(key=lambda r: (method_name(r) != FULL, r.rel))
+        tag = {r.rel: str(r.data.get("method_tag") or r.rel) for r in members}
+        full = next((r for r in members if method_name(r) == FULL), None)
+        reference = tag[full.rel] if full else None
+        model = members[0].model.get("name", "?")
+        for subtitle, select, columns, groups in views:
+            rows = {tag[r.rel]: [x for x in r.data.get("rows") or [] if isinstance(x, dict) and select(x)] for r in members}
+            deltas = (paired(rows, reference, key, lambda r: r.get("score"), groups, columns, n_resamples=options.resamples,
+                             seed=options.seed) if reference else {})
+            scores = {t: grouped(rs, groups, columns, digits, strict) for t, rs in rows.items()}
+            parts.append(markdown(f"{title} · {model} · {members[0].protocol}{subtitle}", columns, scores, deltas, reference,
+                                  [f"Runs: {', '.join(r.rel for r in members)}."], digits))
+        for r in members:
+            r.used_in.append(name)
+    if not parts:
+        return Tables()
+    text = "\n".join(parts)
+    (Path(out) / f"{name}.md").write_text(text, encoding="utf-8")
+    return Tables([(f"{name}.md", text)])
 
 
 def write(run_dir: Path, name: str, text: str) -> Path:

@@ -78,6 +78,14 @@ def test_methods_run_both_protocols_with_the_split_after_the_document(tmp_path, 
     assert "| Setting | Overall | Easy | Hard | Short | Medium | Long |" in text
     assert "Minus `full` on the same items" in text and "snapkv_c32_w4" in text
 
+    from harness.report import build  # the table set: one section per model and protocol, from the collected runs
+
+    build(tmp_path, tmp_path / "tables", resamples=200)
+    report = (tmp_path / "tables" / "longbench_v2.md").read_text(encoding="utf-8")
+    assert "## LongBench-v2 · tiny-random · query_aware" in report and "## LongBench-v2 · tiny-random · query_agnostic" in report
+    overall = " | ".join(f"{summary['scores'][g]:.1f}" for g in ("Overall", "Easy", "Hard", "Short", "Medium", "Long"))
+    assert f"| full | {overall} |" in report.split("query_agnostic")[1]
+
 
 def test_scorer_option_and_lengths_filter(tmp_path):
     cfg = compose("task=longbench_v2", f"task.data_dir={FIXTURES}", "task.lengths=[long]")

@@ -91,6 +91,13 @@ def test_both_modes_of_every_task_from_one_run(tmp_path, monkeypatch):
         assert f"## SCBench · {head}" in table
     assert table.count("Minus `full`") == 4
 
+    from harness.report import build  # the table set holds the same four tables
+
+    build(tmp_path, tmp_path / "tables", resamples=200)
+    report = (tmp_path / "tables" / "scbench.md").read_text(encoding="utf-8")
+    for head in ("multi-request · per task", "multi-request · per turn", "multi-turn · per task", "multi-turn · per turn"):
+        assert f"## SCBench · tiny-random · query_agnostic · {head}" in report
+
 
 def test_refusals_are_one_line():
     base = ("task=scbench", f"task.data_dir={FIXTURES}")

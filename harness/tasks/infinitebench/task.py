@@ -26,12 +26,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
+from harness.generation.prompt import Prompt
 from harness.models import LoadedModel
 from harness.tasks import contract, field_tables
-from harness.tasks.common import Prompt
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.hub_files import data_file
-from harness.tasks.longbench_data import suffix_start
+from harness.tasks.longbench.data import suffix_start
 from metrics.infinitebench import DISPLAY, README_ORDER, SCORERS, TASKS, OfficialScorerError, get_answer, score_one
 
 log = logging.getLogger(__name__)

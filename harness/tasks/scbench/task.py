@@ -33,12 +33,12 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
+from harness.generation.prompt import Prompt, Question
 from harness.models import LoadedModel
 from harness.tasks import contract, field_tables
-from harness.tasks.common import Prompt, Question
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.hub_files import data_file
-from harness.tasks.longbench_data import suffix_start
+from harness.tasks.longbench.data import suffix_start
 from metrics.scbench import SCORERS, TASKS, score_one
 
 log = logging.getLogger(__name__)
