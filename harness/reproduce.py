@@ -70,6 +70,15 @@ PARTS: dict[str, Part] = {
     "ruler_methods_cpu": Part("Every method on RULER on a CPU: SmolLM2-135M, RULER 4K (11 synthetic tasks x 10), both "
                               "protocols, full + the 15 methods at compression ratios 0.25/0.5/0.75",
                               ("ruler_methods_cpu",), "CPU (hours)"),
+    "field": Part("The field's benchmarks for the leaderboard models: Llama-3.1-8B-Instruct, Qwen3-8B x LongBench-v2 (503), "
+                  "InfiniteBench (12 tasks), both protocols, and SCBench (9 tasks, multi-request and multi-turn), full + "
+                  "SnapKV/PyramidKV/StreamingLLM/H2O at compression ratios 0.25/0.5/0.75/0.875 (docs/field_benchmarks.md)",
+                  ("field_longbench_v2", "field_infinitebench", "field_scbench"),
+                  "one 80 GB GPU (128K contexts; Llama-3.1 is gated: HF_TOKEN); hub data or task.data_dir"),
+    "field_cpu": Part("The field's benchmarks on a CPU: SmolLM2-135M, LongBench-v2 (20 short questions) and InfiniteBench "
+                      "(6 tasks x 5) in both protocols, SCBench (4 tasks x 2, 3 turns, both modes), truncated to 7500 tokens, "
+                      "full + SnapKV/StreamingLLM at ratios 0.5/0.75",
+                      ("field_longbench_v2_cpu", "field_infinitebench_cpu", "field_scbench_cpu"), "CPU (hours); hub data or task.data_dir"),
 }
 DEFAULT_PARTS = ("longbench", "needle", "speed")
 SMOKE_PARTS: dict[str, Part] = {
