@@ -11,7 +11,9 @@ softmax over all keys, causal inside the window) restricted to the prefix keys j
                         rounding redistributed so that the total stays (C - W) * N (the authors' adjust_budgets)
     token score         e_{h,j} = mean_i A + gamma * Var_i A, average-pooled (kernel 5), group mean per KV head
 
-Each layer keeps its top B_l positions per head plus the window. Defaults: the authors' (C = 1024 per
+Each layer keeps its top B_l positions per head plus the window. Preferences and budgets are per
+batch row (the authors run one sequence at a time): batched items (`task.batch_size`) keep, per row,
+what the row keeps alone, rows with different budgets stored ragged. Defaults: the authors' (C = 1024 per
 layer on average, window included; W = 32; gamma = 200; tau1 = tau2 = 1, their value for models
 without a tuned pair). No eviction when L <= C + W (the authors' rule).
 
@@ -30,16 +32,23 @@ import torch
 import torch.nn.functional as F
 
 from harness.errors import require
+from harness.methods.adakv import ragged_selection
 from harness.methods.base import ScoredMethod, Selection, keep_top_scored
 from harness.methods.registry import register
 from harness.methods.snapkv import window_attention
 
 
-def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> float:
-    """P_l from the window attention restricted to the prefix, (B, Hq, W, P) float32."""
-    dispersion = -(attn * torch.log(attn + 1e-10)).sum()
-    shift = attn.var(dim=-2, unbiased=True).sum()
-    return float(dispersion ** (1 / tau1) * shift ** (1 / tau2))
+def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> list[float]:
+    """P_l of each batch row from the window attention restricted to the prefix, (B, Hq, W, P) float32.
+
+    Each row is summed on its own (one row's sums whether it runs alone or in a batch): the authors run
+    one sequence at a time, and a batch must not change any row's budgets."""
+    out = []
+    for row in attn:
+        dispersion = -(row * torch.log(row + 1e-10)).sum()
+        shift = row.var(dim=-2, unbiased=True).sum()
+        out.append(float(dispersion ** (1 / tau1) * shift ** (1 / tau2)))
+    return out
 
 
 def token_scores(attn: torch.Tensor, gamma: float, kernel_size: int) -> torch.Tensor:
@@ -135,8 +144,26 @@ class CAKE(ScoredMethod):
             return {i: Selection(k, v) for i, (k, v) in layers.items()}
         order = sorted(summaries)
         length = next(iter(layers.values()))[0].shape[-2]
-        budgets = allocate([summaries[i][0] for i in order], self.budget - self.window_size, length - self.window_size)
-        return {i: keep_top_scored(summaries[i][1], *layers[i], b, self.window_size, self.gqa) for i, b in zip(order, budgets)}
+        rows = len(summaries[order[0]][0])
+        # per batch row: its own layer budgets (rows[b][k] = layer order[k]'s budget in row b)
+        per_row = [allocate([summaries[i][0][b] for i in order], self.budget - self.window_size, length - self.window_size)
+                   for b in range(rows)]
+        out = {}
+        for k, i in enumerate(order):
+            scores, (keys, values) = summaries[i][1], layers[i]
+            budgets = {row[k] for row in per_row}
+            if len(budgets) == 1:
+                out[i] = keep_top_scored(scores, keys, values, budgets.pop(), self.window_size, self.gqa)
+                continue
+            # rows with different budgets: each row's own selection, stored ragged (padded to the longest row)
+            masks = []
+            for b, row in enumerate(per_row):
+                one = keep_top_scored(scores[b:b + 1], keys[b:b + 1], values[b:b + 1], row[k], self.window_size, self.gqa)
+                mask = torch.zeros(1, one.positions.shape[1], length, dtype=torch.bool, device=keys.device)
+                masks.append(mask.scatter_(-1, one.positions, True))
+            chosen = torch.cat(masks, dim=0)
+            out[i] = ragged_selection(keys, values, chosen)
+        return out
 
     def describe(self, num_layers):
         out = super().describe(num_layers)
