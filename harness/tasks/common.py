@@ -615,7 +615,7 @@ class ItemResult:
 def _failure(desc: str, key, exc: BaseException, tb: str) -> dict:
     text = str(exc).strip()
     return {"desc": desc, "key": list(key), "error": f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}",
-            "oom": isinstance(exc, (torch.OutOfMemoryError, MemoryError)), "traceback": tb}
+            "oom": is_out_of_memory(exc), "traceback": tb}
 
 
 def run_shared_items(items: Iterable, *, logs: dict[str, JsonlLog], key: Callable, work: Callable, desc: str,
