@@ -108,3 +108,38 @@ def test_short_prompts_are_not_evicted():
     summary = method.summarize(k, k, LayerStats(0, 1, queries=torch.randn(1, 4, 24, 8), scaling=8 ** -0.5))
     assert summary is None  # 24 <= 20 + 4
     assert method.finish({0: summary}, {0: (k, k)}, 1)[0].positions is None
+
+
+def test_half_precision_follows_the_authors_rounding_or_float32_by_option():
+    """round_softmax_to_model_dtype=true (default): the authors' order in bf16, written out here as their code
+    does it: softmax in float32, cast to bf16; entropy of the bf16 values in float32; variance summed over heads
+    then positions in bf16; token score mean + gamma x var and the pooling in bf16. false: float32 throughout."""
+    torch.manual_seed(5)
+    hq, hkv, length, d, w = 4, 2, 40, 8, 4
+    q = torch.randn(1, hq, length, d).to(torch.bfloat16)
+    k = torch.randn(1, hkv, length, d).to(torch.bfloat16)
+    options = {"name": "cake", "budget": 12, "window_size": w, "gamma": 200.0, "tau1": 1.0, "tau2": 1.0, "kernel_size": 5,
+               "gqa": "mean"}
+    got = {}
+    for rounding in (True, False):
+        method = build_method({**options, "round_softmax_to_model_dtype": rounding})
+        got[rounding] = method.summarize(k, k, LayerStats(0, 1, queries=q, scaling=d ** -0.5))
+
+    def softmax(qq, kk):  # the last w queries against every key, causal inside the window, float32 softmax
+        logits = torch.matmul(qq[:, :, -w:], kk.repeat_interleave(hq // hkv, dim=1).transpose(2, 3)) / math.sqrt(d)
+        future = torch.arange(w)[None, :] > torch.arange(w)[:, None]
+        logits[..., -w:] = logits[..., -w:].masked_fill(future, torch.finfo(logits.dtype).min)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)[..., : length - w]
+
+    rounded = softmax(q, k).to(torch.bfloat16)
+    entropy = -(rounded.float() * torch.log(rounded.float() + 1e-10)).sum()
+    variance = torch.var(rounded, dim=-2).sum(0).sum(0).sum(0)  # bf16, the authors' sums
+    assert variance.dtype == torch.bfloat16
+    assert got[True][0] == [float(entropy * variance.float())]
+    score = torch.nn.functional.avg_pool1d(rounded.mean(dim=-2) + 200.0 * rounded.var(dim=-2), kernel_size=5, padding=2, stride=1)
+    assert got[True][1].dtype == torch.bfloat16 and torch.equal(got[True][1], score)
+
+    exact = softmax(q.float(), k.float())
+    assert got[False][1].dtype == torch.float32
+    assert got[False][0] == pytest.approx([float(-(exact * torch.log(exact + 1e-10)).sum() * exact.var(dim=-2).sum())], rel=1e-5)
+    assert got[True][0] != got[False][0]
