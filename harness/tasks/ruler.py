@@ -103,10 +103,9 @@ class Tokenized:
             self.wrapper, self.add_special = Wrapper(before, after), loaded.chat_format != "template"
 
     def measure(self, text: str) -> int:
-        return len(self.tok(text, add_special_tokens=self.add_special)["input_ids"])
-
-    def count(self, text: str) -> int:
-        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+        """RULER's count (`text_to_tokens`: `tokenizer.tokenize(text)`): no BOS or other special token added,
+        whatever the model input adds, so that the fit, its retries and the random stream are RULER's."""
+        return len(self.tok.tokenize(text))
 
     def prompt(self, s: Sample) -> Prompt:
         prompt = self._one(s.text, s.question_start, s.needle_chars)
@@ -171,7 +170,7 @@ class RulerTask(GenerationTask):
 
     def sample(self, name: str, length: int, index: int) -> Sample:
         if (name, length) not in self.generated:  # RULER's first `samples` samples of this task and length, in order
-            gen = TaskGenerator(name, length, seed=self.seed, measure=self.tokenized.measure, count=self.tokenized.count,
+            gen = TaskGenerator(name, length, seed=self.seed, measure=self.tokenized.measure,
                                 wrapper=self.tokenized.wrapper, essay=self.essay, qa_data_dir=self.task.get("qa_data_dir"),
                                 one_key_at_a_time=self.one_key)
             self.generated[(name, length)] = gen.samples(self.samples)
