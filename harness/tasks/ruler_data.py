@@ -111,6 +111,11 @@ QUESTION_PATTERNS = {
     "qa": r"Answer the question based on the given documents\.",
 }
 
+# Where kvpress's dataset cuts the answer prefix off the question (create_huggingface_dataset.py: the first match
+# after the question start), so its question keeps RULER's trailing space and its answer prefix has no leading one.
+ANSWER_PATTERNS = {"niah": r"The special magic", "variable_tracking": r"Answer:", "common_words_extraction": r"Answer:",
+                   "freq_words_extraction": r"Answer:", "qa": r"Answer:"}
+
 # The qa files, by RULER's download script's names first, then the datasets' own.
 QA_FILES = {"squad": ("squad.json", "dev-v2.0.json"), "hotpotqa": ("hotpotqa.json", "hotpot_dev_distractor_v1.json")}
 

@@ -373,3 +373,49 @@ def test_app_scores_a_scripted_decoder(tmp_path, one_thread, monkeypatch):
     assert sorted(r["score"] for r in rows if r["task"] == "vt") == [0.0, 40.0, 60.0, 100.0]
     table = (tmp_path / "full" / "ruler_table.md").read_text()
     assert "| 1536 | 50.00 | 70.00 | 60.00 |" in table and "| 1024 | 100.00 | 30.00 | 65.00 |" in table
+
+
+@pytest.mark.parametrize("vocab", ["llama-spm", "smollm2"])
+def test_kvpress_split_builds_kvpress_inputs(vocab, essay):
+    """task.split=kvpress: the model input as kvpress's RULER dataset and pipeline build it, written out here from
+    their rules: context = the base input up to the last question-pattern match, question up to the answer pattern
+    (so it ends with RULER's space), answer prefix (no leading space); [chat prefix + context] and [question +
+    chat suffix + answer prefix] tokenized apart; without a chat template the prefix is the BOS text and the
+    suffix "\\n"."""
+    from harness.models import embedded_tokenizer
+
+    questions = {"niah": r"What (?:is|are all) the special magic", "variable_tracking": r"Question: Find all variables"}
+    answers = {"niah": r"The special magic", "variable_tracking": r"Answer:"}
+    if vocab == "smollm2":
+        tok = embedded_tokenizer()
+        render = lambda m: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)  # noqa: E731
+        loaded = SimpleNamespace(tokenizer=tok, chat_format="template", format_chat=render)
+    else:
+        tok = vocab_tokenizer(vocab)
+        loaded = SimpleNamespace(tokenizer=tok, chat_format="none", format_chat=lambda m: m[0]["content"])
+    t = ruler.Tokenized(loaded, "model", "kvpress")
+    base = _tokenized(vocab) if vocab != "smollm2" else None
+    for name in ("niah_single_2", "vt"):
+        family = TASKS[name][0]
+        s = TaskGenerator(name, 2048, seed=42, measure=t.measure, wrapper=t.wrapper, essay=essay).samples(1)[0]
+        if base is not None:  # the samples are RULER's base-template ones (kvpress's data)
+            assert s.text == TaskGenerator(name, 2048, seed=42, measure=base.measure, wrapper=Wrapper(), essay=essay).samples(1)[0].text
+        cut = list(re.finditer(questions[family], s.text))[-1].start()
+        context, rest = s.text[:cut], s.text[cut:]
+        a = re.search(answers[family], rest).start()
+        question, prefix = rest[:a], rest[a:]
+        assert question.endswith(" ") and not prefix.startswith(" ")  # kvpress's first two points
+        if vocab == "smollm2":
+            separator = "#" * (len(context) + 10)
+            head, suffix = render([{"role": "user", "content": context + separator}]).split(separator)
+        else:
+            head, suffix = tok.bos_token + context, "\n"
+        context_ids = tok.encode(head, add_special_tokens=False)
+        expected = context_ids + tok.encode(question + suffix + prefix, add_special_tokens=False)
+        prompt = t.prompt(s)
+        assert prompt.ids == expected and prompt.question_start == len(context_ids), name
+        if vocab != "smollm2":
+            assert prompt.ids[0] == tok.bos_token_id and tok.decode(prompt.ids[len(context_ids):]).startswith(question)
+        for i, needle in enumerate(s.needles[:2]):  # the needle spans still hold the needles' tokens
+            a, b = prompt.spans[f"needle_{i}"]
+            assert needle.split(":")[0].split()[-1] in tok.decode(prompt.ids[a:b])
