@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tasks.ruler_data import TASKS, TaskGenerator
+from harness.tasks.ruler_data import TASKS, TaskGenerator, wonderwords_lists
 from test_ruler import _tokenized, essay  # noqa: F401  (the module-scoped essay fixture)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "ruler_golden"
@@ -28,14 +28,19 @@ def golden(vocab: str, length: int) -> dict[str, list[dict]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def words():
+    return wonderwords_lists()
+
+
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("vocab", VOCABS)
-def test_generator_equals_rulers_own_scripts(vocab, length, essay):  # noqa: F811
+def test_generator_equals_rulers_own_scripts(vocab, length, essay, words):  # noqa: F811
     t = _tokenized(vocab)
     expected = golden(vocab, length)
     assert sorted(expected) == sorted(TASKS)  # every task, qa included
     for name, rows in expected.items():
-        gen = TaskGenerator(name, length, seed=42, measure=t.measure, wrapper=t.wrapper, essay=essay,
+        gen = TaskGenerator(name, length, seed=42, measure=t.measure, wrapper=t.wrapper, essay=essay, words=words,
                             qa_data_dir=str(GOLDEN / "qa"))
         got = gen.samples(len(rows))
         for s, row in zip(got, rows):
