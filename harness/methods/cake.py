@@ -164,7 +164,7 @@ class CAKE(ScoredMethod):
         order = sorted(summaries)
         length = next(iter(layers.values()))[0].shape[-2]
         rows = len(summaries[order[0]][0])
-        # per batch row: its own layer budgets (rows[b][k] = layer order[k]'s budget in row b)
+        # per batch row its own layer budgets: per_row[b][k] is layer order[k]'s budget in row b
         per_row = [allocate([summaries[i][0][b] for i in order], self.budget - self.window_size, length - self.window_size)
                    for b in range(rows)]
         out = {}
