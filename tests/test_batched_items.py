@@ -4,15 +4,16 @@ retention diagnostics. Tiny random models, milliseconds."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
 from harness.errors import HarnessError
-from dataclasses import fields
-
 from harness.methods import METHODS
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, Question, batch_refusal, generate_settings, question_outcomes
+from harness.generation.generate import batch_refusal, generate_settings
+from harness.generation.prompt import Prompt, Question, question_outcomes
 from tiny_models import tiny_model
 
 LENGTH, QUESTION_AT, NEW = 112, 96, 5

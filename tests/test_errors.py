@@ -6,8 +6,11 @@ from __future__ import annotations
 import torch
 
 from harness import errors
-from harness.tasks import bench_worker, common
-from harness.tasks.common import Prompt, generate_settings
+from harness.generation import generate
+from harness.generation.generate import generate_settings
+from harness.generation.prompt import Prompt
+from harness.tasks import contract
+from harness.tasks.bench import worker as bench_worker
 from test_batched_items import loaded_of, methods
 from tiny_models import tiny_model
 
@@ -19,10 +22,11 @@ OOM = [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
 def test_one_out_of_memory_detector_for_the_fallback_and_the_bench(monkeypatch, one_thread):
     assert all(errors.is_out_of_memory(e) for e in OOM)
     assert not errors.is_out_of_memory(RuntimeError("shape mismatch")) and not errors.is_out_of_memory(ValueError("memory"))
-    assert bench_worker.is_out_of_memory is errors.is_out_of_memory and common.is_out_of_memory is errors.is_out_of_memory
+    assert bench_worker.is_out_of_memory is errors.is_out_of_memory and generate.is_out_of_memory is errors.is_out_of_memory
+    assert contract.is_out_of_memory is errors.is_out_of_memory
     # the shared-prefill fallback splits the settings on each form (here the host's std::bad_alloc), down to one
     # setting per prefill, which then fits; the failure record of a setting that fails alone says "oom"
-    original, groups = common._generate_group, []
+    original, groups = generate._generate_group, []
 
     def fails_when_shared(loaded, group, prompts, **options):
         groups.append([tag for tag, _ in group])
@@ -30,10 +34,10 @@ def test_one_out_of_memory_detector_for_the_fallback_and_the_bench(monkeypatch, 
             raise RuntimeError("std::bad_alloc")
         return original(loaded, group, prompts, **options)
 
-    monkeypatch.setattr(common, "_generate_group", fails_when_shared)
+    monkeypatch.setattr(generate, "_generate_group", fails_when_shared)
     chosen = [(tag, m) for tag, m in methods() if tag in ("full", "snapkv")]
     prompt = Prompt(torch.arange(3, 115).tolist(), 96)
     out = generate_settings(loaded_of(tiny_model("llama")), chosen, prompt, max_new_tokens=2)
     assert groups == [["full", "snapkv"], ["full"], ["snapkv"]]
     assert all(out[tag].error is None and out[tag].diagnostics["shared_with"] == [tag] for tag, _ in chosen)
-    assert common._failure("item", ("a",), RuntimeError("std::bad_alloc"), "")["oom"] is True
+    assert contract._failure("item", ("a",), RuntimeError("std::bad_alloc"), "")["oom"] is True

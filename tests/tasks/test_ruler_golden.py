@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.tasks.ruler_data import TASKS, TaskGenerator, wonderwords_lists
+from harness.tasks.ruler.data import TASKS, TaskGenerator, wonderwords_lists
 from test_ruler import _tokenized, essay  # noqa: F401  (the module-scoped essay fixture)
 
 GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "ruler_golden"
