@@ -42,6 +42,7 @@ FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 PREVIOUS_TAIL = 8
 TEMPLATE_PREFIX_RULES = ("if_present", "always")
+SINK_RULES = ("always", "kvpress")
 
 
 def chat_prefix_and_suffix(tokenizer) -> tuple[list[int], list[int]]:
@@ -105,7 +106,7 @@ class KVzip(CompressionMethod):
     across_layers = True
     supports_sliding_layers = False
     supports_batches = False  # one sequence at a time (kvpress: batch 1)
-    added_options = {"template_prefix": "if_present"}  # runs recorded before the option replayed by this rule
+    added_options = {"template_prefix": "if_present", "sink_rule": "always"}  # runs recorded before these options
 
     budget: int | None = 1024
     ratio: float | None = None
@@ -118,6 +119,10 @@ class KVzip(CompressionMethod):
     # where the prompt opens with those ids; "always" (kvpress 0.5.5) skips that many leading positions whatever
     # the prompt holds (they keep score 0 and go first).
     template_prefix: str = "if_present"
+    # Which of the first `n_sink` positions are never evicted: "always" (ours) all of them; "kvpress" (0.5.5) only
+    # those before the replay's start (kvpress sets them to 1, then the chunks' scores overwrite the sinks that
+    # lie in the replayed context: with a chat-template prefix shorter than n_sink, or none, fewer are protected).
+    sink_rule: str = "always"
 
     @property
     def compresses(self) -> bool:
@@ -136,6 +141,7 @@ class KVzip(CompressionMethod):
         require(self.n_sink >= 0, f"method.n_sink={self.n_sink} must be >= 0")
         require(not self.kvzip_plus_normalization, "method.kvzip_plus_normalization=true is not built (it needs each replay "
                                                    "token's hidden state); use false")
+        require(self.sink_rule in SINK_RULES, f"method.sink_rule={self.sink_rule!r} is not one of {', '.join(SINK_RULES)}")
         require(self.template_prefix in TEMPLATE_PREFIX_RULES,
                 f"method.template_prefix={self.template_prefix!r} is not one of {', '.join(TEMPLATE_PREFIX_RULES)}")
 
@@ -163,10 +169,13 @@ class KVzip(CompressionMethod):
         memo_key = ("kvzip", self.n_sink, self.chunk_size, self.template_prefix, tuple(order))
         if memo_key not in context.memo:
             context.memo[memo_key] = self._replay_scores(context, summaries, order, first_keys)
-        scores, extra = context.memo[memo_key]
+        scores, extra, start = context.memo[memo_key]
         scores = scores.clone()
         context.state.extra = dict(extra)
-        scores[..., : self.n_sink] = scores.amax() + 1.0
+        if self.sink_rule == "kvpress":
+            scores[..., : min(self.n_sink, start)] = 1.0
+        else:
+            scores[..., : self.n_sink] = scores.amax() + 1.0
         kept = self.kept_total(scores.numel(), length, len(order), hkv)
         pruned_total = scores.numel() - kept
         if self.layerwise:
@@ -188,7 +197,8 @@ class KVzip(CompressionMethod):
         return out
 
     def _replay_scores(self, context, summaries, order, first_keys):
-        """Every layer's reconstruction scores (layers, B, Hkv, L) from the context replay, and its costs."""
+        """Every layer's reconstruction scores (layers, B, Hkv, L) from the context replay, its costs, and where
+        the replayed context starts."""
         b, hkv, length, _ = first_keys.shape
         ids = context.ids[0].tolist()
         prefix, suffix = chat_prefix_and_suffix(context.tokenizer)
@@ -201,10 +211,11 @@ class KVzip(CompressionMethod):
                 scores[row][..., _start:_end] = reconstruction_scores(query, key, _start, _end, self.n_sink, summaries[module.layer_idx])
             context.replay(torch.tensor([replay], device=first_keys.device), length, observe)
             forwards, tokens = forwards + 1, tokens + len(replay)
-        return scores, {"reconstruction_forwards": forwards, "reconstruction_tokens": tokens}
+        return scores, {"reconstruction_forwards": forwards, "reconstruction_tokens": tokens}, prefix_length
 
     def describe(self, num_layers):
         return {"name": self.name, "budget": self.budget, "ratio": self.ratio, "n_sink": self.n_sink,
                 "chunk_size": self.chunk_size, "layerwise": self.layerwise,
-                "kvzip_plus_normalization": self.kvzip_plus_normalization, "template_prefix": self.template_prefix}
+                "kvzip_plus_normalization": self.kvzip_plus_normalization, "template_prefix": self.template_prefix,
+                "sink_rule": self.sink_rule}
 
