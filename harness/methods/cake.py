@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.errors import require
+from harness.memory_plan import is_fake, mark_bound
 from harness.methods.base import ScoredMethod, Selection, keep_top_scored
 from harness.methods.registry import register
 from harness.methods.snapkv import window_attention
@@ -39,7 +40,8 @@ def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> float:
     """P_l from the window attention restricted to the prefix, (B, Hq, W, P) float32."""
     dispersion = -(attn * torch.log(attn + 1e-10)).sum()
     shift = attn.var(dim=-2, unbiased=True).sum()
-    return float(dispersion ** (1 / tau1) * shift ** (1 / tau2))
+    preference = dispersion ** (1 / tau1) * shift ** (1 / tau2)
+    return None if is_fake(preference) else float(preference)  # a plan has no values: `finish` plans a bound
 
 
 def token_scores(attn: torch.Tensor, gamma: float, kernel_size: int) -> torch.Tensor:
@@ -135,7 +137,11 @@ class CAKE(ScoredMethod):
             return {i: Selection(k, v) for i, (k, v) in layers.items()}
         order = sorted(summaries)
         length = next(iter(layers.values()))[0].shape[-2]
-        budgets = allocate([summaries[i][0] for i in order], self.budget - self.window_size, length - self.window_size)
+        preferences = [summaries[i][0] for i in order]
+        if None in preferences:  # planned (fake tensors): one layer as large as the budget allows, the rest alike
+            mark_bound("cake: layer budgets depend on attention; planned with the first layer at its largest")
+            preferences = [float(len(order)) * (length + 1)] + [1.0] * (len(order) - 1)
+        budgets = allocate(preferences, self.budget - self.window_size, length - self.window_size)
         return {i: keep_top_scored(summaries[i][1], *layers[i], b, self.window_size, self.gqa) for i, b in zip(order, budgets)}
 
     def describe(self, num_layers):
