@@ -61,6 +61,14 @@ def masked_last(t: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor
     return t[..., mask]
 
 
+def masked_rows(t: torch.Tensor, mask: torch.Tensor, count: int) -> torch.Tensor:
+    """`t[mask]` for a boolean `mask` over t's leading dimensions holding `count` True entries; for a fake tensor,
+    a tensor of that shape (the same bytes)."""
+    if is_fake(t):
+        return t.new_empty((int(count), *t.shape[mask.dim():]))
+    return t[mask]
+
+
 def scalar(t: torch.Tensor, planned: float = 0.0) -> float:
     """`t.item()`; `planned` for a fake tensor (callers use it where the value changes no shape)."""
     return planned if is_fake(t) else t.item()
@@ -75,6 +83,37 @@ def mark_bound(reason: str) -> None:
 def bounds() -> list[str]:
     """The reasons recorded by `mark_bound` since the current `planning` block began."""
     return list(_STATE["bounds"])
+
+
+_PLANNED: dict[int, list] = {}  # id(fake tensor) -> the values a plan chose for it (see `plan_values`)
+
+
+def plan_values(t: torch.Tensor, chosen: list) -> torch.Tensor:
+    """Attach to fake tensor `t` the values a plan chose for it (e.g. per-head kept counts, planned at their
+    largest): `planned_values(t)` gives them back where code needs numbers (a ragged layer's length)."""
+    key = id(t)
+    _PLANNED[key] = chosen
+    weakref.finalize(t, _PLANNED.pop, key, None)
+    return t
+
+
+def planned_values(t: torch.Tensor) -> list:
+    """The values `plan_values` attached to `t`; a clear error where a value-dependent shape has no plan."""
+    if id(t) not in _PLANNED:
+        raise RuntimeError(f"planning: a shape depends on the values of a {tuple(t.shape)} tensor and no plan was given for them")
+    return _PLANNED[id(t)]
+
+
+def largest_first(total: int, parts: int, cap: int, floor: int = 0) -> list[int]:
+    """`parts` counts summing to `total` (each in [floor, cap]) with the first as large as allowed, then the next:
+    the allocation of a value-dependent split (per head, per layer) whose largest part is the largest possible."""
+    counts = [floor] * parts
+    left = max(0, total - floor * parts)
+    for i in range(parts):
+        add = min(cap - counts[i], left)
+        counts[i] += add
+        left -= add
+    return counts
 
 
 def values(t: torch.Tensor, fill: int = -1) -> list:

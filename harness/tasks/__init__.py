@@ -14,9 +14,10 @@ TASKS = {
     "observation": "harness.tasks.observation",
     "lines": "harness.tasks.lines",
     "ruler": "harness.tasks.ruler",
+    "plan": "harness.tasks.plan",
 }
 
-SELF_MANAGED = ("bench",)  # known without importing the module (which loads torch)
+SELF_MANAGED = ("bench", "plan")  # known without importing the module (which loads torch)
 
 
 def get_task(name: str):
