@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from harness.errors import HarnessError, is_out_of_memory
+from harness.memory_plan import scalar
 from harness.models import LoadedModel, load_model
 from harness.rundir import JsonlLog, write_json
 
@@ -215,7 +216,8 @@ def _row_after(record, row: int) -> list[int]:
     are padded to the batch's longest, positions -1)."""
     if record.positions is None:
         return list(record.after)
-    return [int(record.after[0]), int((record.positions[row] >= 0).sum(dim=-1).max())]
+    mine = record.positions[row]
+    return [int(record.after[0]), int(scalar((mine >= 0).sum(dim=-1).max(), planned=mine.shape[-1]))]
 
 
 def row_cache_bytes(cache, row: int) -> int:
@@ -226,7 +228,7 @@ def row_cache_bytes(cache, row: int) -> int:
         rows, length = int(layer.keys.shape[0]), int(layer.keys.shape[2])
         nbytes = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
         owner = getattr(layer, "_kvharness_owner", None)  # ragged (harness/methods/ragged.py): -1 marks padding
-        share = int((owner[row] >= 0).sum()) / max(length, 1) if owner is not None else 1.0
+        share = int(scalar((owner[row] >= 0).sum(), planned=length)) / max(length, 1) if owner is not None else 1.0
         total += round(nbytes / rows * share)
     return total
 
@@ -307,7 +309,7 @@ def _row_positions(positions, row: int, rows: int):
     if positions is None or rows == 1:
         return positions
     mine = positions[row:row + 1]
-    return mine[..., :int((mine >= 0).sum(dim=-1).max())]
+    return mine[..., :int(scalar((mine >= 0).sum(dim=-1).max(), planned=mine.shape[-1]))]  # a plan: its longest head
 
 
 def batch_refusal(prompts: list[Prompt], keep_answers: bool = False) -> str | None:
