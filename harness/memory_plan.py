@@ -169,6 +169,7 @@ class StorageTracker(TorchDispatchMode):
         self.caches = caches
         self.top = top
         self.weight_keys: set[int] = set()
+        self.phase_peaks: dict[str, int] = {}  # the most live bytes seen in each phase
         for t in baseline:
             key = self._add(t, "weights")
             if key is not None:
@@ -202,8 +203,11 @@ class StorageTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in self.live:
                 self._add(t, self.phase)
                 grew = True
-        if grew and self.current > self.peak.bytes:
-            self._snapshot()
+        if grew:
+            if self.current > self.phase_peaks.get(self.phase, 0):
+                self.phase_peaks[self.phase] = self.current
+            if self.current > self.peak.bytes:
+                self._snapshot()
         return out
 
     def track(self, tensors, phase: str | None = None) -> None:

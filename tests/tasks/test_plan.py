@@ -110,3 +110,22 @@ def test_plan_cli_writes_rows_table_picture_and_longest_prompt(tmp_path):
     for setting, n in longest.items():  # the longest that fits fits, one step more does not
         assert by_key[(setting, n)]["fits"] and not by_key[(setting, n + 256)]["fits"]
     assert (out / "plan_table.md").exists() and (out / "plan_table.csv").exists() and (out / "plan_peak.png").exists()
+
+
+def test_bench_gains_planned_columns_and_plans_its_search_without_a_gpu(tmp_path):
+    """task=bench on this CPU: the plan's KV bytes equal the measured ones; the maximum-length search is planned."""
+    from harness.app import execute
+
+    cfg = compose("task=bench", "model=tiny-random", "task.methods=[{label: full, name: full},{label: snapkv, name: snapkv, "
+                  "budget: 32, window_size: 8}]", "task.context_lengths=[128]", "task.decode_tokens=2", "task.repeats=1",
+                  "task.warmup=0", "task.isolation=none", "task.threads=1", "progress=false", "task.plots=false",
+                  "task.max_length_search=true", "task.memory_cap_gb=0.015625", "task.plan_reserve_gb=0", "task.search_start=256",
+                  "task.search_resolution=256", "task.search_max=4096", "task.search_decode_tokens=1")
+    results = execute(cfg, tmp_path)
+    for label, entry in results["summary"]["by_method"].items():
+        got = entry["128"]
+        assert got["kv_bytes_planned"] == got["kv_bytes"], label
+        assert got["peak_bytes_planned"] > got["peak_increase_bytes_planned"] > 0
+    search = results["search"]
+    assert search["planned"] and search["methods"]["full"]["max_length"] < search["methods"]["snapkv"]["max_length"]
+    assert "planned (no GPU here" in (tmp_path / "bench_table.md").read_text()

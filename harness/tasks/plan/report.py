@@ -23,15 +23,17 @@ def table_rows(rows: list[dict]) -> list[dict]:
                     "peak_phase": r.get("peak_phase"), "weights_gib": _gib(r.get("weights_bytes")),
                     "kv_cache_gib": _gib(r.get("kv_cache_bytes")), "other_gib": _gib(r.get("other_bytes")),
                     "largest_temporary": f"{largest.get('tensor')} {_gib(largest.get('bytes'))} GiB" if largest else None,
-                    "bound": r.get("bound"), "plan_seconds": r.get("plan_seconds"), "error": r.get("error")})
+                    "bound": r.get("bound"), "plan_seconds": r.get("plan_seconds"), "error": r.get("error"),
+                    **{f"fits_{g}gib": ok for g, ok in (r.get("fits_on") or {}).items()}})
     return out
 
 
 def write_outputs(folder: Path, rows: list[dict], search: dict, cfg, capacity: int | None) -> dict:
     folder = Path(folder)
     table = table_rows(rows)
+    columns = list(COLUMNS) + sorted({k for r in table for k in r if k.startswith("fits_")}, key=lambda k: float(k[5:-3]))
     with open(folder / "plan_table.csv", "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(table)
     task = cfg.task
@@ -39,7 +41,7 @@ def write_outputs(folder: Path, rows: list[dict], search: dict, cfg, capacity: i
             f"{task.new_tokens} new tokens, prefill chunk {cfg.model.get('prefill_chunk_size') or 'none (one shot)'}\n\n"
             f"Peak = live tensor bytes (fake tensors, docs/planning.md). "
             + (f"Fits: peak <= {task.gpu_memory_gb} GiB - reserve {task.reserve_gb} GiB = {capacity / GIB:.2f} GiB.\n\n" if capacity else "\n\n"))
-    cols = [c for c in COLUMNS if any(r.get(c) not in (None, "") for r in table)]
+    cols = [c for c in columns if any(r.get(c) not in (None, "") for r in table)]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join("" if r.get(c) is None else f"{r[c]:,}" if isinstance(r[c], int) and not isinstance(r[c], bool)
                                 else str(r[c]) for c in cols) + " |" for r in table]

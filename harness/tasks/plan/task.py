@@ -84,6 +84,16 @@ def load_fake(model_cfg: DictConfig, implementation: str | None, target: str):
     return loaded, mode
 
 
+def full_logits_peak(row: dict, vocab: int, dtype_bytes: int) -> int | None:
+    """The peak had the prefill computed logits at every prompt position in the model dtype and upcast them to
+    float32 (transformers <= 4.44's LlamaForCausalLM, the SnapKV paper's 4.37): what was live at the prefill's
+    logits + B x L x vocab x (dtype + 4) bytes, or the planned peak if larger."""
+    if row.get("prefill_logits_bytes") is None:
+        return None
+    extra = row["batch_size"] * row["length"] * vocab * (dtype_bytes + 4)
+    return max(row["peak_bytes"], row["prefill_logits_bytes"] + extra)
+
+
 def plan_point(loaded, mode, methods, length: int, batch: int, task, chunk_size, seed: int) -> dict:
     from harness.tasks.plan.trace import trace_generation
 
@@ -93,13 +103,13 @@ def plan_point(loaded, mode, methods, length: int, batch: int, task, chunk_size,
                             mode=mode, target=str(task.target), seed=seed)
 
 
-def search_longest(fits, task) -> dict:
+def search_longest(fits, task, limit: int = 0) -> dict:
     """The longest prompt (a multiple of task.length_step) that fits: doubling from task.search_start, then bisection."""
     from harness.tasks.bench import search_max_length
 
     step = int(task.length_step)
     out = search_max_length(lambda k: fits(k * step), start=max(1, int(task.search_start) // step), resolution=1,
-                            upper=max(1, int(task.search_max) // step))
+                            upper=max(1, min(int(task.search_max), limit or int(task.search_max)) // step))
     return {"max_length": out["max_length"] * step, "first_failure": out["first_failure"] and out["first_failure"] * step,
             "reached_upper": out["reached_upper"], "probes": [(n * step, ok) for n, ok in out["probes"]]}
 
@@ -118,6 +128,7 @@ def prepare_and_run(cfg: DictConfig, run_dir: RunDir, settings: list | None = No
     chunk = cfg.model.get("prefill_chunk_size")
     implementations = [str(i) for i in _as_list(task.get("attn_implementations"))] or [str(cfg.model.attn_implementation)]
     capacity = capacity_bytes(task)
+    gpus = [float(g) for g in _as_list(task.get("compare_gpus"))]
     rows_log = run_dir.log("plan_rows.jsonl", key=("setting", "attn_implementation", "batch_size", "length"))
     rows, search = [], {}
     groups = [[m] for m in methods] + ([methods] if task.get("shared") and len(methods) > 1 else [])
@@ -127,11 +138,18 @@ def prepare_and_run(cfg: DictConfig, run_dir: RunDir, settings: list | None = No
         for _, method in methods:
             method.validate(layers, loaded.max_positions)
 
+        vocab, dtype_bytes = int(loaded.model.config.vocab_size), loaded.model.get_input_embeddings().weight.element_size()
+
         def point(group, n, b):
             name = "+".join(tag for tag, _ in group)
             key = (name, impl, b, n)
             if key in rows_log:
                 return rows_log.records[key]
+            twin = (name, PLANNED_AS.get(impl, impl), b, n)  # flash_attention_2 is planned as sdpa: one plan for both
+            if twin != key and twin in rows_log:
+                row = {**rows_log.records[twin], "attn_implementation": impl, "planned_as": twin[1]}
+                rows_log.append(row)
+                return row
             t0 = time.perf_counter()
             try:
                 got = plan_point(loaded, mode, group, n, b, task, chunk, int(cfg.seed))
@@ -139,11 +157,16 @@ def prepare_and_run(cfg: DictConfig, run_dir: RunDir, settings: list | None = No
                 raise
             except Exception as exc:  # noqa: BLE001  (a method this plan cannot follow: recorded, the others go on)
                 got = {"error": f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"}
+            if task.full_logits and "error" not in got:
+                got["peak_bytes_planned"] = got["peak_bytes"]
+                got["peak_bytes"] = full_logits_peak({**got, "length": n, "batch_size": b}, vocab, dtype_bytes)
             row = {"setting": name, "attn_implementation": impl, "planned_as": PLANNED_AS.get(impl, impl), "length": n,
                    "batch_size": b, "query_aware": bool(task.query_aware), "prefill_chunk_size": chunk,
                    "new_tokens": int(task.new_tokens), "dtype": str(cfg.model.dtype), **got,
-                   "reserve_bytes": int(float(task.reserve_gb) * GIB),
+                   "reserve_bytes": int(float(task.reserve_gb) * GIB), "full_logits": bool(task.full_logits),
                    "fits": None if capacity is None or "error" in got else got["peak_bytes"] <= capacity,
+                   **({"fits_on": {str(g): got["peak_bytes"] <= int((float(g) - float(task.reserve_gb)) * GIB) for g in gpus}}
+                      if gpus and "error" not in got else {}),
                    "plan_seconds": round(time.perf_counter() - t0, 2)}
             rows_log.append(row)
             log.info("plan %s %s batch %d, %d tokens: %s", name, impl, b, n,
@@ -151,13 +174,18 @@ def prepare_and_run(cfg: DictConfig, run_dir: RunDir, settings: list | None = No
                      + ("" if row["fits"] is None else (" (fits)" if row["fits"] else " (does not fit)")))
             return row
 
+        limit = int(loaded.max_positions or 0)
+        planned_lengths = [n for n in lengths if not limit or n <= limit]
+        if len(planned_lengths) < len(lengths):
+            log.warning("plan: %s holds %d positions; lengths %s are not planned", cfg.model.name, limit,
+                        [n for n in lengths if n not in planned_lengths])
         for b in batches:
             for group in groups:
-                for n in lengths:
+                for n in planned_lengths:
                     rows.append(point(group, n, b))
                 if task.get("search") and len(group) == 1:
                     name = group[0][0]
-                    found = search_longest(lambda n, g=group: bool(point(g, n, b).get("fits")), task)
+                    found = search_longest(lambda n, g=group: bool(point(g, n, b).get("fits")), task, limit)
                     search[f"{name}|{impl}|{b}"] = {"setting": name, "attn_implementation": impl, "batch_size": b, **found}
                     log.info("plan %s %s batch %d: longest prompt that fits %d tokens", name, impl, b, found["max_length"])
         del loaded, mode

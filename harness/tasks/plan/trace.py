@@ -143,9 +143,13 @@ def trace_generation(loaded, methods: list[tuple[str, object]], length: int, *, 
             if outcome.error is not None:
                 raise outcome.error
     peak = tracker.peak
-    return {"peak_bytes": peak.bytes, "peak_phase": peak.phase, "weights_bytes": peak.parts.get("weights", 0),
+    first = out[0] if isinstance(out, list) else out
+    cache_bytes = {tag: o.diagnostics.get("cache_bytes") for tag, o in first.items()}
+    return {"cache_bytes": cache_bytes[methods[0][0]] if len(methods) == 1 else cache_bytes,"peak_bytes": peak.bytes, "peak_phase": peak.phase, "weights_bytes": peak.parts.get("weights", 0),
             "kv_cache_bytes": peak.parts.get("kv_cache", 0), "other_bytes": peak.parts.get("other", 0),
             "largest_temporaries": [{"bytes": b, "tensor": what, "allocated_in": where} for b, what, where in peak.largest],
+            "prefill_logits_bytes": max((v for k, v in tracker.phase_peaks.items() if k.startswith("prefill") and k.endswith("logits")),
+                                        default=None),
             "bound": bool(why_bound), "bound_reasons": why_bound, "fake": fake and is_fake(next(model.parameters()))}
 
 
