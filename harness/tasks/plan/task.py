@@ -94,6 +94,24 @@ def full_logits_peak(row: dict, vocab: int, dtype_bytes: int) -> int | None:
     return max(row["peak_bytes"], row["prefill_logits_bytes"] + extra)
 
 
+def fake_twin(loaded, target: str = "cuda"):
+    """A loaded model's fake twin (same config, dtype and attention; random fake weights) sharing its tokenizer:
+    for models without an `architecture` in their config (GGUF, hub), e.g. to check a plan against their real run."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from harness.memory_plan import fake_mode, planning
+
+    config = loaded.model.config
+    mode = fake_mode()
+    with planning(mode, target):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation,
+                                                 dtype=next(loaded.model.parameters()).dtype).eval()
+        model.requires_grad_(False)
+    return dataclasses.replace(loaded, model=model), mode
+
+
 def plan_point(loaded, mode, methods, length: int, batch: int, task, chunk_size, seed: int) -> dict:
     from harness.tasks.plan.trace import trace_generation
 
