@@ -560,7 +560,9 @@ def planner():
 
         from harness.tasks.plan.planner import Planner
 
-        cfg = OmegaConf.load(ROOT / "conf" / "model" / "lwm-text-chat-1m.yaml")
+        from harness import CONF_DIR
+
+        cfg = OmegaConf.load(CONF_DIR / "model" / "lwm-text-chat-1m.yaml")
         cfg.dtype = "bfloat16"
         _PLANNER = Planner(cfg, "cuda")
     return _PLANNER
