@@ -146,7 +146,8 @@ def build_plan(*, sequential_override: str | None = None, maxlen_upper: int = CL
              ("llama2-tokenizer",), [
         Step("c1", "c", "bench search only: SnapKV first (the claim), then full, bisection to 16K tokens",
              harness(*lwm, f"task.methods=[{SNAPKV},{FULL}]", "task.context_lengths=[4096]", "task.repeats=0", "task.warmup=1",
-                     "task.max_length_search=true", "task.memory_cap_gb=80", f"task.search_start={maxlen_upper}",
+                     "task.max_length_search=true", "task.search_by=measure", "task.memory_cap_gb=80",
+                     f"task.search_start={maxlen_upper}",
                      f"task.search_max={maxlen_upper}", "task.search_resolution=16384", "task.search_decode_tokens=8",
                      run_dir=str(WORK / "c_maxlen")), 0, str(WORK / "c_maxlen")),
     ], tables("c_max_length"))

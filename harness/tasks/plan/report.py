@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import csv
+import logging
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 COLUMNS = ("setting", "attn_implementation", "planned_as", "batch_size", "length", "peak_gib", "fits", "peak_phase", "weights_gib",
@@ -52,7 +55,10 @@ def write_outputs(folder: Path, rows: list[dict], search: dict, cfg, capacity: i
                   f"{'' if s['first_failure'] is None else format(s['first_failure'], ',')} |" for s in found]
     (folder / "plan_table.md").write_text(head + "\n".join(lines) + "\n", encoding="utf-8")
     if task.get("plots", True) and rows:
-        picture(folder / "plan_peak.png", rows, capacity, cfg)
+        try:
+            picture(folder / "plan_peak.png", rows, capacity, cfg)
+        except ImportError as exc:  # the tables are the result; a missing plotting library must not lose them
+            log.warning("plan: no picture (%s)", exc)
     return {"points": table, "max_length": [{k: s[k] for k in ("setting", "attn_implementation", "batch_size", "max_length", "first_failure")}
                                             for s in found],
             "capacity_bytes": capacity, "reserve_gb": float(task.reserve_gb), "gpu_memory_gb": task.get("gpu_memory_gb")}
