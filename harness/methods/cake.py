@@ -33,7 +33,7 @@ from harness.errors import require
 from harness.memory_plan import is_fake, mark_bound
 from harness.methods.base import ScoredMethod, Selection, keep_top_scored
 from harness.methods.registry import register
-from harness.methods.snapkv import window_attention
+from harness.methods.attention import window_attention
 
 
 def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> float:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from harness.memory_plan import is_fake, masked_rows, planned_values
-from harness.methods.base import repeat_kv
+from harness.methods.attention import repeat_kv
 
 # layer index -> the mask inputs of the ragged layer updated last (written by `update` right before
 # that layer's attention call, read by the observer in the same call).

@@ -47,7 +47,7 @@ def planned_columns(table: list[dict], methods: dict[str, dict], model_cfg, *, b
 def planned_search(cfg, methods: dict[str, dict], *, reserve_gb: float) -> dict:
     """The bench's maximum-length search, planned (no GPU here): per method, the longest prompt whose planned peak
     is at most task.memory_cap_gb less `reserve_gb`, doubling then bisection as the measured search."""
-    from harness.tasks.bench import search_max_length
+    from harness.tasks.bench.search import search_max_length
 
     task = cfg.task
     cap = int((float(task.memory_cap_gb) - float(reserve_gb)) * GIB)

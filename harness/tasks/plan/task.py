@@ -29,7 +29,8 @@ from harness.rundir import RunDir, provenance, write_json, write_text
 log = logging.getLogger(__name__)
 GIB = 1 << 30
 IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
-PLANNED_AS = {"flash_attention_2": "sdpa"}  # what the fake CPU device runs for an implementation it lacks
+PLANNED_AS = {"flash_attention_2": "sdpa"}
+TAKES_METHODS = True  # harness.app hands prepare_and_run the settings of `methods=[...]` (or method=)  # what the fake CPU device runs for an implementation it lacks
 
 
 def _as_list(value) -> list:
@@ -123,7 +124,7 @@ def plan_point(loaded, mode, methods, length: int, batch: int, task, chunk_size,
 
 def search_longest(fits, task, limit: int = 0) -> dict:
     """The longest prompt (a multiple of task.length_step) that fits: doubling from task.search_start, then bisection."""
-    from harness.tasks.bench import search_max_length
+    from harness.tasks.bench.search import search_max_length
 
     step = int(task.length_step)
     out = search_max_length(lambda k: fits(k * step), start=max(1, int(task.search_start) // step), resolution=1,
@@ -207,7 +208,7 @@ def prepare_and_run(cfg: DictConfig, run_dir: RunDir, settings: list | None = No
                     search[f"{name}|{impl}|{b}"] = {"setting": name, "attn_implementation": impl, "batch_size": b, **found}
                     log.info("plan %s %s batch %d: longest prompt that fits %d tokens", name, impl, b, found["max_length"])
         del loaded, mode
-    from harness.tasks.plan.report import write_outputs
+    from harness.tasks.plan.tables import write_outputs
 
     summary = write_outputs(run_dir.path, rows, search, cfg, capacity)
     results = {"schema": 1, "task": "plan", "model": {"name": cfg.model.name, "random_weights": True, "fake_tensors": True},

@@ -117,7 +117,8 @@ def trace_generation(loaded, methods: list[tuple[str, object]], length: int, *, 
     """The peak of live tensor bytes of one generation of a `length`-token prompt (batch `batch_size`) under
     `methods` (one shared prefill), with its phase and breakdown. `mode`: the fake mode the model was built in
     (a plan), or None (a real run, measured). Raises the first setting's error."""
-    from harness.tasks.common import Prompt, generate_settings
+    from harness.generation.generate import generate_settings
+    from harness.generation.prompt import Prompt
 
     model = loaded.model
     vocab = int(getattr(model.config, "vocab_size", 0) or model.get_input_embeddings().num_embeddings)
