@@ -406,7 +406,7 @@ def load_model(cfg) -> LoadedModel:
                 model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
             except (OSError, ValueError) as exc2:
                 raise _hub_error(cfg, exc2) from None
-    if "device_map" not in info and not getattr(model, "hf_device_map", None):
+    if "device_map" not in info and not getattr(model, "hf_device_map", None) and _needs_move(model, device):
         model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -431,6 +431,12 @@ def load_model(cfg) -> LoadedModel:
         stop_strings=_stop_strings(cfg),
         chat_template_kwargs=template_kwargs,
     )
+
+
+def _needs_move(model, device: torch.device) -> bool:
+    """Whether any parameter or buffer is off `device`. Moving a model already there does nothing, except under
+    fake tensors (harness/memory_plan.py), where `Module.to` tries to swap every parameter and fails."""
+    return any(t.device != device for t in (*model.parameters(), *model.buffers()))
 
 
 def _chat_template_kwargs(cfg) -> dict:

@@ -40,23 +40,26 @@ import torch.nn.functional as F
 
 from harness.errors import require
 from harness.methods.adakv import ragged_selection
+from harness.memory_plan import is_fake, mark_bound
 from harness.methods.base import ScoredMethod, Selection, keep_top_scored
 from harness.methods.registry import register
 from harness.methods.attention import window_attention
 
 
-def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> list[float]:
+def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> list[float | None]:
     """P_l of each batch row from the window attention restricted to the prefix, (B, Hq, W, P).
 
     As the authors' code: the dispersion (entropy) in float32, the shift (variance, summed head by head)
     in the attention's own dtype (the model dtype when the softmax was rounded to it). Each row is summed
     on its own (one row's sums whether it runs alone or in a batch): the authors run one sequence at a
-    time, and a batch must not change any row's budgets."""
+    time, and a batch must not change any row's budgets. A plan (fake tensors) has no values: None, and
+    `finish` plans a bound."""
     out = []
     for row in attn:
         dispersion = -(row.float() * torch.log(row.float() + 1e-10)).sum()
         shift = row.var(dim=-2, unbiased=True).sum(0).sum(0)
-        out.append(float(dispersion ** (1 / tau1) * shift.float() ** (1 / tau2)))
+        preference = dispersion ** (1 / tau1) * shift.float() ** (1 / tau2)
+        out.append(None if is_fake(preference) else float(preference))
     return out
 
 
@@ -165,8 +168,8 @@ class CAKE(ScoredMethod):
         length = next(iter(layers.values()))[0].shape[-2]
         rows = len(summaries[order[0]][0])
         # per batch row its own layer budgets: per_row[b][k] is layer order[k]'s budget in row b
-        per_row = [allocate([summaries[i][0][b] for i in order], self.budget - self.window_size, length - self.window_size)
-                   for b in range(rows)]
+        per_row = [allocate(self._preferences([summaries[i][0][b] for i in order], length),
+                            self.budget - self.window_size, length - self.window_size) for b in range(rows)]
         out = {}
         for k, i in enumerate(order):
             scores, (keys, values) = summaries[i][1], layers[i]
@@ -183,6 +186,13 @@ class CAKE(ScoredMethod):
             chosen = torch.cat(masks, dim=0)
             out[i] = ragged_selection(keys, values, chosen)
         return out
+
+    @staticmethod
+    def _preferences(preferences: list, length: int) -> list[float]:
+        if None in preferences:  # planned (fake tensors): one layer as large as the budget allows, the rest alike
+            mark_bound("cake: layer budgets depend on attention; planned with the first layer at its largest")
+            return [float(len(preferences)) * (length + 1)] + [1.0] * (len(preferences) - 1)
+        return preferences
 
     def describe(self, num_layers):
         out = super().describe(num_layers)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from harness.errors import HarnessError, require
+from harness.memory_plan import is_fake, largest_first, mark_bound, plan_values
+from harness.memory_plan import values as values_of
 from harness.methods.adakv import ragged_selection
 from harness.methods.base import CompressionMethod, Selection
 from harness.methods.registry import register
@@ -182,7 +184,8 @@ class KVzip(CompressionMethod):
             per_layer = [pruned_total // len(order)] * len(order)
         else:
             lowest = torch.topk(-scores.reshape(-1), pruned_total).indices if pruned_total else scores.new_zeros(0, dtype=torch.long)
-            per_layer = torch.bincount(lowest // (b * hkv * length), minlength=len(order)).tolist()
+            per_layer = (self.planned_pruned(len(order), hkv * length, kept) if is_fake(scores)
+                         else torch.bincount(lowest // (b * hkv * length), minlength=len(order)).tolist())
         out = {}
         for row, idx in enumerate(order):
             keys, values = layers[idx]
@@ -193,14 +196,23 @@ class KVzip(CompressionMethod):
             flat = scores[row].reshape(b, -1)
             drop = torch.topk(-flat, n_pruned, dim=1).indices
             chosen = torch.ones_like(flat, dtype=torch.bool).scatter_(1, drop, False).view(b, hkv, length)
+            if is_fake(chosen):  # a plan: one head as large as the layer's count allows
+                plan_values(chosen, [largest_first(hkv * length - n_pruned, hkv, length)])
             out[idx] = ragged_selection(keys, values, chosen)
         return out
+
+    @staticmethod
+    def planned_pruned(layers: int, entries: int, kept: int) -> list[int]:
+        """A plan's pruned count per layer (the global top-k has no scores to read): the first layers keep all
+        they can, so one layer is as large as the budget allows."""
+        mark_bound("kvzip: the global top-k's split over layers and heads depends on the scores; planned largest first")
+        return [entries - k for k in largest_first(kept, layers, entries)]
 
     def _replay_scores(self, context, summaries, order, first_keys):
         """Every layer's reconstruction scores (layers, B, Hkv, L) from the context replay, its costs, and where
         the replayed context starts."""
         b, hkv, length, _ = first_keys.shape
-        ids = context.ids[0].tolist()
+        ids = values_of(context.ids[0])  # a plan (fake tensors) has no ids: -1s, replayed in the same chunks
         prefix, suffix = chat_prefix_and_suffix(context.tokenizer)
         prefix_length = replay_start(ids, prefix, self.template_prefix)
         scores = torch.zeros(len(order), b, hkv, length, dtype=first_keys.dtype, device=first_keys.device)
