@@ -52,6 +52,7 @@ for the record's `decoded_with`).
 
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from harness.decoding import _sync, greedy_decode, prefill
 from harness.errors import HarnessError
+from harness.memory_plan import same_start, values
 from harness.methods.base import repeat_kv
 from harness.methods.engine import _observing, attention_modules, causal_suffix_mask
 from harness.methods.inplace import append
@@ -164,7 +166,7 @@ class RowsCache(Cache):
     def __init__(self, caches: list[Cache], room: int = 0):
         self.caches = list(caches)  # in row order (decode_time.after_step compresses each setting's own)
         sizes = [int(c.layers[0].keys.shape[0]) for c in caches]
-        ends = torch.tensor(sizes).cumsum(0).tolist()
+        ends = list(itertools.accumulate(sizes))
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
         for c in caches:  # the settings' own layers (ragged, sliding) size their buffers from it too
             for layer in c.layers:
@@ -188,7 +190,7 @@ class RowsCache(Cache):
         rows = [r for s in keep for r in range(*self.bounds[s])]
         self.caches = [self.caches[s] for s in keep]
         sizes = [self.bounds[s][1] - self.bounds[s][0] for s in keep]
-        ends = torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()
+        ends = list(itertools.accumulate(sizes))
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
         for layer in self.layers:
             layer.rows, layer.bounds = [layer.rows[s] for s in keep], self.bounds
@@ -300,7 +302,7 @@ def decode_together(model, caches: list[Cache], first_logits: list[torch.Tensor 
     groups: dict = {}
     for i, (end, ids) in enumerate(zip(ends, suffixes)):
         if ids is not None:
-            groups.setdefault((end, tuple(ids.reshape(-1).tolist())), []).append(i)
+            groups.setdefault((end, tuple(values(ids.reshape(-1)))), []).append(i)
     for (end, ids), members in groups.items():
         part = RowsCache([caches[i] for i in members], room)
         suffix_ids = torch.tensor([ids], dtype=torch.long, device=device).expand(part.bounds[-1][1], -1)
@@ -315,7 +317,7 @@ def decode_together(model, caches: list[Cache], first_logits: list[torch.Tensor 
     batch = RowsCache(caches, room)
     bounds = list(batch.bounds)  # each cache's rows of the result (the batch drops settings as they finish)
     rows = torch.cat([torch.full((hi - lo,), end, dtype=torch.long) for (lo, hi), end in zip(batch.bounds, ends)])
-    positions = int(rows[0]) if len(set(ends)) == 1 else rows.to(device)
+    positions = int(ends[0]) if len(set(ends)) == 1 else rows.to(device)
     with _attention_per_setting(model, batch):
         tokens, steps, stopped = greedy_decode(model, batch, torch.cat([lg.to(device) for lg in logits], dim=0),
                                                positions, **decode_options)
