@@ -126,7 +126,7 @@ class CAKE(ScoredMethod):
         length = keys.shape[-2]
         if length <= self.budget + self.window_size:
             return None
-        attn = window_attention(stats.window_queries(self.window_size), keys, self.window_size, stats.scaling).float()
+        attn = window_attention(stats.window_queries(self.window_size), keys, self.window_size, stats.scaling, stats.layout).float()
         attn = attn[..., : length - self.window_size]
         return layer_preference(attn, self.tau1, self.tau2), token_scores(attn, self.gamma, self.kernel_size)
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from harness.errors import require
 from harness.methods.base import ScoredMethod
+from harness.methods.layout import plain_softmax
 from harness.methods.registry import register
 
 
@@ -56,14 +57,14 @@ def cpu_block_rows(block_size: int, rows_per_query: int, length: int) -> int:
 
 
 def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_size: int = 512, offset: int = 0,
-                          scaling: float | None = None) -> torch.Tensor:
+                          scaling: float | None = None, layout=None) -> torch.Tensor:
     """Column sums (B, Hq, K) of the causal softmax attention of the given queries, in float32.
 
     queries: (B, Hq, n, d) after RoPE, at prompt positions offset .. offset + n - 1 (a chunk of the
     prompt; offset 0 and n = K for a one-shot prefill); keys: (B, Hkv, K, d), every key up to the
     chunk's last position, Hq a multiple of Hkv. Rows are processed `block_size` at a time against
     the keys they can see. Summing the results of consecutive chunks gives the one-shot result.
-    `scaling`: the softmax scale (default 1/sqrt(d)).
+    `scaling`: the softmax scale (default 1/sqrt(d)); `layout`: the layer's soft-cap and sinks (layout.py).
     """
     b, hq, n_queries, d = queries.shape
     hkv, length = keys.shape[1], keys.shape[2]
@@ -81,9 +82,11 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_si
         q = queries[:, :, start:end].reshape(b, hkv, groups * n, d)  # a query group's rows stacked
         logits = torch.matmul(q, keys[:, :, :visible].transpose(-1, -2)) * scale  # model dtype; keys not copied
         logits = logits.view(b, hkv, groups, n, visible)
+        if layout is not None:
+            logits = layout.capped(logits)
         future = torch.ones(n, n, dtype=torch.bool, device=queries.device).triu(1)  # only the diagonal block
         logits[..., offset + start:visible].masked_fill_(future, torch.finfo(logits.dtype).min)
-        totals[..., :visible] += F.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=-2)
+        totals[..., :visible] += plain_softmax(logits, layout).sum(dim=-2)
         del logits
     return totals.view(b, hq, length)
 

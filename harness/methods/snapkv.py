@@ -19,13 +19,14 @@ import torch.nn.functional as F
 
 from harness.errors import require
 from harness.methods.base import ScoredMethod, gather_with_window, repeat_kv
+from harness.methods.layout import plain_softmax
 from harness.methods.registry import register
 
 POOLINGS = ("maxpool", "avgpool")
 
 
 def window_attention(query_states: torch.Tensor, key_states: torch.Tensor, window_size: int,
-                     scaling: float | None = None) -> torch.Tensor:
+                     scaling: float | None = None, layout=None) -> torch.Tensor:
     """Softmax attention of the last `window_size` queries over all keys: (B, Hq, W, L), in the query dtype.
 
     Logits in the model dtype, a causal mask inside the window only, softmax in float32 then cast
@@ -33,6 +34,7 @@ def window_attention(query_states: torch.Tensor, key_states: torch.Tensor, windo
     own softmax scale differs (Gemma's query_pre_attn_scalar) passes `scaling`, which is then used
     instead (None or 1/sqrt(d): the official division). Keys may have fewer heads than queries (GQA):
     the query heads of a group are stacked against their one KV head, so keys are never expanded.
+    `layout` (LayerStats.layout): the layer's soft-cap and learned sinks, applied as the model applies them.
     """
     b, hq, _, head_dim = query_states.shape
     hkv = key_states.shape[1]
@@ -44,18 +46,20 @@ def window_attention(query_states: torch.Tensor, key_states: torch.Tensor, windo
     else:
         logits = logits * scaling
     logits = logits.view(b, hq, window_size, key_states.shape[-2])
+    if layout is not None:
+        logits = layout.capped(logits)
     rows = torch.arange(window_size, device=logits.device)
     future = rows[None, :] > rows[:, None]  # key j after query i, inside the window
     logits[..., -window_size:] = logits[..., -window_size:].masked_fill(future, torch.finfo(logits.dtype).min)
-    return F.softmax(logits, dim=-1, dtype=torch.float32).to(query_states.dtype)
+    return plain_softmax(logits, layout).to(query_states.dtype)
 
 
 def snapkv_votes(query_states, key_states, *, window_size: int, kernel_size: int, pooling: str,
-                 scaling: float | None = None) -> torch.Tensor:
+                 scaling: float | None = None, layout=None) -> torch.Tensor:
     """Pooled window votes (B, Hq, L - W) for the prompt positions before the window."""
     require(pooling in POOLINGS, f"method.pooling={pooling!r} is not one of {', '.join(POOLINGS)}")
     require(kernel_size % 2 == 1, f"method.kernel_size={kernel_size} must be odd (even sizes shift the pooled scores)")
-    attn = window_attention(query_states, key_states, window_size, scaling)
+    attn = window_attention(query_states, key_states, window_size, scaling, layout)
     votes = attn[..., :-window_size].sum(dim=-2)
     pool = F.max_pool1d if pooling == "maxpool" else F.avg_pool1d  # avg: zero padding counted, as official
     return pool(votes, kernel_size=kernel_size, padding=kernel_size // 2, stride=1)
@@ -108,7 +112,8 @@ class SnapKV(ScoredMethod):
         key = self.score_key()
         if key not in stats.shared:
             stats.shared[key] = snapkv_votes(stats.window_queries(self.window_size), keys, window_size=self.window_size,
-                                             kernel_size=self.kernel_size, pooling=self.pooling, scaling=stats.scaling)
+                                             kernel_size=self.kernel_size, pooling=self.pooling, scaling=stats.scaling,
+                                             layout=stats.layout)
         return stats.shared[key]
 
     def prefix_scores(self, queries, keys, layer_idx):
