@@ -555,7 +555,7 @@ def _check_supported(model, modules, layout, methods) -> None:
     if refusing and whole:
         kinds = ", ".join(f"{k} layers {[l.idx for l in layout if l.kind == k]}" for k in sorted(whole))
         raise HarnessError(f"{', '.join(refusing)} cannot run on a model with sliding-window layers or other non-global ones "
-                           f"({type(model).__name__}: {kinds}); use another method")
+                           f"({type(model).__name__}: {kinds}): its replay scores every layer over the full context; use another method")
 
 
 @contextmanager
