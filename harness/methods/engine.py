@@ -558,6 +558,17 @@ def _check_supported(model, modules, layout, methods) -> None:
                            f"({type(model).__name__}: {kinds}): its replay scores every layer over the full context; use another method")
 
 
+def check_layout(model, methods) -> int:
+    """Before any work: refuse (one line) what the compressing methods among `methods` [(tag, method)] cannot run on
+    this model's layout; returns the number of decoder layers (what per-layer budgets count)."""
+    modules = attention_modules(model)
+    layout = layouts.model_layout(model, modules)
+    compressing = [(t, m) for t, m in methods if m.compresses]
+    if compressing:
+        _check_supported(model, modules, layout, compressing)
+    return len(layout)
+
+
 @contextmanager
 def compression(model, methods, *, keep_full: bool = False, tokenizer=None):
     """Install methods on `model` inside the block; yields the `Session`.
