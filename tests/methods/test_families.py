@@ -287,3 +287,30 @@ def test_hub_configs_build_their_layout(name):
         label = layer.kind + ("" if layer.rotary else " NoPE")
         kinds[label] = kinds.get(label, 0) + 1
     assert kinds == HUB[name]
+
+
+@pytest.mark.parametrize("model_type,expected", [
+    ("qwen3_next", {"linear": 3, "global": 1}),  # Qwen3-Next: Qwen3.5's layout (3 Gated DeltaNet : 1 full)
+    ("deepseek_v32", "multi-head latent attention"),  # MLA + an indexer
+    ("glm_moe_dsa", "multi-head latent attention"),  # GLM-5-style: MLA + an indexer
+    ("deepseek_v4", "compressed_sparse_attention, heavily_compressed_attention layers, a layout the engine does not describe"),
+])
+def test_other_families_of_the_issue(model_type, expected):
+    """transformers' own default configs of the other families the issue lists (4 layers, meta device): Qwen3-Next has
+    Qwen3.5's layout; the latent-attention and compressed-attention families are refused in one line."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from harness.methods.engine import attention_modules
+    from harness.methods.layout import model_layout, refusal
+
+    config = AutoConfig.for_model(model_type, num_hidden_layers=4)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    if isinstance(expected, str):
+        assert expected in refusal(model)
+        return
+    assert refusal(model) is None
+    kinds: dict = {}
+    for layer in model_layout(model, attention_modules(model)):
+        kinds[layer.kind] = kinds.get(layer.kind, 0) + 1
+    assert kinds == expected
