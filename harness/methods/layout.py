@@ -190,7 +190,13 @@ def _true_past(layer, args, kwargs):
     cache, positions = kwargs.get("cache"), kwargs.get("position_ids")
     if cache is None or positions is None:
         return None
-    return args, {**kwargs, "cache": _PositionedCache(cache, int(positions.reshape(-1)[0]))}
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    try:
+        past = int(positions.reshape(-1)[0])
+    except DataDependentOutputException:  # a memory plan's fake tensors (task=plan): no values, and the scale moves no bytes
+        return None
+    return args, {**kwargs, "cache": _PositionedCache(cache, past)}
 
 
 def _positioned_class():
