@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 from harness.errors import require
 from harness.methods.base import ScoredMethod
-from harness.methods.layout import plain_softmax
 from harness.methods.registry import register
 
 
@@ -86,7 +85,8 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_si
             logits = layout.capped(logits)
         future = torch.ones(n, n, dtype=torch.bool, device=queries.device).triu(1)  # only the diagonal block
         logits[..., offset + start:visible].masked_fill_(future, torch.finfo(logits.dtype).min)
-        totals[..., :visible] += plain_softmax(logits, layout).sum(dim=-2)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32) if layout is None else layout.softmax(logits)
+        totals[..., :visible] += probs.sum(dim=-2)
         del logits
     return totals.view(b, hq, length)
 

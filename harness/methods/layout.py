@@ -69,10 +69,6 @@ class LayerLayout:
         return e / (e.sum(dim=-1, keepdim=True) + (sink - top).exp())
 
 
-def plain_softmax(logits: torch.Tensor, layout: LayerLayout | None, **kwargs) -> torch.Tensor:
-    return F.softmax(logits, dim=-1, dtype=kwargs.get("dtype", torch.float32)) if layout is None else layout.softmax(logits, **kwargs)
-
-
 def text_config(model):
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config

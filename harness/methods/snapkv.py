@@ -19,7 +19,6 @@ import torch.nn.functional as F
 
 from harness.errors import require
 from harness.methods.base import ScoredMethod, gather_with_window, repeat_kv
-from harness.methods.layout import plain_softmax
 from harness.methods.registry import register
 
 POOLINGS = ("maxpool", "avgpool")
@@ -51,7 +50,8 @@ def window_attention(query_states: torch.Tensor, key_states: torch.Tensor, windo
     rows = torch.arange(window_size, device=logits.device)
     future = rows[None, :] > rows[:, None]  # key j after query i, inside the window
     logits[..., -window_size:] = logits[..., -window_size:].masked_fill(future, torch.finfo(logits.dtype).min)
-    return plain_softmax(logits, layout).to(query_states.dtype)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32) if layout is None else layout.softmax(logits)
+    return probs.to(query_states.dtype)
 
 
 def snapkv_votes(query_states, key_states, *, window_size: int, kernel_size: int, pooling: str,
