@@ -31,20 +31,18 @@ from __future__ import annotations
 
 import json
 import logging
-import random
-import re
 import sys
 import time
 from pathlib import Path
 
 from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
-from harness import CONF_DIR
 from harness.errors import HarnessError, require
-from harness.methods.registry import register_resolvers
 from harness.rundir import RunDir, RunLock, check_writable, remove_if_empty, resume_mode, write_json, write_text
+from harness.seeding import seed_everything
+from harness.settings import check_method, compose_settings, method_entries  # also registers the kv.* resolvers
 from harness.tasks import get_task
 
 log = logging.getLogger("harness")
@@ -59,168 +57,15 @@ class JobFailed(CompactHydraException):
     """A multirun job's user error or failed items: Hydra prints the message alone (no traceback)."""
 
 
-def seed_everything(seed: int) -> None:
-    import numpy as np
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
 def run_dir_path() -> Path:
     from hydra.core.hydra_config import HydraConfig
 
     return Path(HydraConfig.get().runtime.output_dir)
 
 
-# --------------------------------------------------------------------------------------------------
-# Overrides: which keys the command line gave, the sweep's job directory name
-# --------------------------------------------------------------------------------------------------
-
-
-def _parse_overrides(overrides) -> list:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    return OverridesParser.create().parse_overrides([str(o) for o in overrides])
-
-
-def is_method_key(key: str) -> bool:
-    """`method`, `method.<option>` (also `+method.x`, `~method`) and `methods`."""
-    return key in ("method", "methods") or key.startswith("method.")
-
-
-def job_dirname(overrides, exclude_keys=()) -> str:
-    """`hydra.sweep.subdir` (conf/config.yaml): Hydra's override_dirname without the method keys, so the
-    jobs of a sweep that differ only in method keys share one run directory, each setting in <tag>/."""
-    excluded = {str(k) for k in (exclude_keys or [])}
-    lines = sorted(o.input_line for o in _parse_overrides(overrides or [])
-                   if not is_method_key(o.key_or_group) and o.key_or_group not in excluded)
-    return ",".join(lines)
-
-
-def _register_resolvers() -> None:
-    register_resolvers()
-    if not OmegaConf.has_resolver("kv.job_dirname"):
-        OmegaConf.register_new_resolver("kv.job_dirname", job_dirname)
-
-
-_register_resolvers()
-
-
-# --------------------------------------------------------------------------------------------------
-# Settings: `method=<name>` or `methods=[...]`
-# --------------------------------------------------------------------------------------------------
-
-
-def _available_methods() -> list[str]:
-    folder = CONF_DIR / "method"
-    return sorted(p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml"))
-
-
-def method_entries(cfg: DictConfig, overrides: list[str] | None) -> list[dict] | None:
-    """The `methods` list as mappings `{name: <config name>, <option>: <value>}`, or None without one.
-    Refuses `methods` together with method keys on the command line (conf/config.yaml's default
-    `method: full` is not one)."""
-    raw = cfg.get("methods")
-    if raw is None:
-        return None
-    given = [o.input_line for o in _parse_overrides(overrides or []) if o.key_or_group != "methods" and is_method_key(o.key_or_group)]
-    if given:
-        raise HarnessError(f"methods and method are exclusive: give each setting as a methods entry "
-                           f"(e.g. 'methods=[full,{{name: snapkv, budget: 512}}]') instead of {given[0]}")
-    items = OmegaConf.to_container(raw, resolve=False) if OmegaConf.is_config(raw) else raw
-    require(isinstance(items, list), f"methods must be a list of method configs, e.g. 'methods=[full,snapkv]'; got {items!r}")
-    require(items, "methods is empty; give at least one method, e.g. 'methods=[full,snapkv]'")
-    available = _available_methods()
-    entries = []
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            item = {"name": item}
-        require(isinstance(item, dict) and isinstance(item.get("name"), str),
-                f"methods[{i}]: {item!r} is neither a method config name nor a mapping with name: <method config>")
-        require(item["name"] in available, f"methods[{i}]: unknown method {item['name']!r}; available: {', '.join(available)}")
-        entries.append(dict(item))
-    return entries
-
-
-_PLAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]*")
-
-
-def override_value(value) -> str:
-    """A Python/YAML value as Hydra override syntax (what one would type after `method.<option>=`)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(override_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{override_value(v)}" for k, v in value.items()) + "}"
-    text = str(value)
-    if _PLAIN.fullmatch(text) and text.lower() not in ("true", "false", "null", "none", "nan", "inf"):
-        return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _compose(config_name: str, overrides: list[str]) -> DictConfig:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():  # inside the app (and its launcher jobs): the app's own search path
-        return compose(config_name=config_name, overrides=overrides)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name=config_name, overrides=overrides)
-
-
-def compose_settings(entries: list[dict], overrides: list[str] | None, config_name: str = "config") -> list[tuple[str, DictConfig]]:
-    """(tag, config) per distinct setting: each config composed as `python -m harness <overrides without
-    methods> method=<name> method.<option>=<value> ...` composes it (presets' `defaults:` included), with
-    `methods` set to null. Entries that resolve to the same tag run once (logged)."""
-    from hydra.errors import HydraException
-
-    base = [o.input_line for o in _parse_overrides(overrides or []) if o.key_or_group != "methods"]
-    out: list[tuple[str, DictConfig]] = []
-    seen: dict[str, int] = {}
-    for i, entry in enumerate(entries):
-        name = entry["name"]
-        options = {k: v for k, v in entry.items() if k != "name"}
-        try:
-            plain = _compose(config_name, [*base, f"method={name}"])
-            unknown = [k for k in options if k not in plain.method]
-            if unknown:
-                raise HarnessError(f"methods[{i}]: method {name!r} has no option {unknown[0]!r}; "
-                                   f"its options: {', '.join(k for k in plain.method if k not in ('name', 'tag'))}")
-            scfg = _compose(config_name, [*base, f"method={name}", *(f"method.{k}={override_value(v)}" for k, v in options.items())])
-        except HydraException as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise HarnessError(f"methods[{i}] ({name}): {first}") from None
-        with open_dict(scfg):
-            scfg.methods = None
-        try:
-            tag = str(scfg.method.tag)
-        except Exception as exc:  # noqa: BLE001  (an interpolation that cannot resolve)
-            raise HarnessError(f"methods[{i}] ({name}): its tag does not resolve ({type(exc).__name__}: {exc})") from None
-        if tag in seen:
-            log.info("methods[%d] (%s) resolves to tag %s, as methods[%d] does: run once", i, name, tag, seen[tag])
-            continue
-        seen[tag] = i
-        out.append((tag, scfg))
-    return out
-
-
 def writes_run_dir_itself(task) -> bool:
     """Tasks that compare their own methods (bench: task.methods) write into the run directory itself."""
     return hasattr(task, "prepare_and_run")
-
-
-def setting_dir(cfg: DictConfig, run_dir: Path) -> Path:
-    """Where a config's results go inside a run directory: <run dir>/<method tag> (bench: <run dir>)."""
-    from harness.tasks import SELF_MANAGED  # by name: planning run directories imports no task module (no torch)
-
-    return Path(run_dir) if str(cfg.task.name) in SELF_MANAGED else Path(run_dir) / str(cfg.method.tag)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -281,8 +126,6 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
         seed_everything(int(cfg.seed))
         return task.prepare_and_run(cfg, run_dir)
 
-    from harness.tasks.common import check_method
-
     configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
     planned = []
     for tag, scfg in configs:
@@ -338,7 +181,7 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
 
 def _setting(tag, method, cfg, run_dir):
     try:
-        from harness.tasks.common import Setting
+        from harness.generation.prompt import Setting
     except ImportError:  # a task side without the multi-setting contract
         from types import SimpleNamespace as Setting
     return Setting(tag=tag, method=method, cfg=cfg, run_dir=run_dir)

@@ -27,7 +27,7 @@ class Generation:
     step_seconds: list[float] = field(default_factory=list)
     stopped_by: list[str] = field(default_factory=list)
     cache: object = None
-    decoded_with: str = "alone"  # "batch of N" when N settings decoded together (harness/batch_decode.py)
+    decoded_with: str = "alone"  # "batch of N" when N settings decoded together (harness/generation/batch_decode.py)
 
     @property
     def decode_seconds(self) -> float:

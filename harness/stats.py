@@ -19,6 +19,10 @@ import numpy as np
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_SEED = 0
 DEFAULT_LEVEL = 0.95
+# Fewest paired items for which an interval is reported: with n items the bootstrap's resampled means take at
+# most C(2n-1, n) values (n = 1: one, the estimate itself; n = 4: 35), too coarse for a 95% percentile interval.
+# Below it the row shows the mean difference and n, and no interval (CSV: empty ci_low, ci_high).
+MIN_INTERVAL_ITEMS = 5
 # Resampled indices drawn per block (bounds memory for large item counts; part of the determinism contract).
 _BLOCK_CELLS = 2_000_000
 

@@ -1,4 +1,4 @@
-"""Benchmark: the decode step of N settings batched (harness/batch_decode.py) vs one setting's step.
+"""Benchmark: the decode step of N settings batched (harness/generation/batch_decode.py) vs one setting's step.
 
 Builds one needle prompt (the task's own prompt code, default 4K tokens on SmolLM2), prefills it once
 for every method (the engine compresses for all of them in that prefill, as a methods run does), then
@@ -30,25 +30,6 @@ sys.path.insert(0, str(ROOT))
 METHODS = ["full", "snapkv", "streamingllm", "h2o", "pyramidkv"]
 
 
-def shared_prefill(model, methods, ids, end: int):
-    """One prefill of ids[:, :end] for every (tag, method), as a methods run does it: {tag: cache} and
-    the prefill's last logits. `full` decodes from the prefill's own cache."""
-    import torch
-
-    from harness.decoding import prefill
-    from harness.methods.engine import compression, new_cache
-
-    resolved = [(tag, m.resolve(end)) for tag, m in methods]
-    keep_full = any(not m.compresses for _, m in resolved)
-    with torch.inference_mode(), compression(model, [tm for tm in resolved if tm[1].compresses], keep_full=keep_full) as session:
-        cache = new_cache(model)
-        session.compress_now = False
-        logits = prefill(model, cache, ids[:, :end], before_last=lambda: setattr(session, "compress_now", True))
-        caches = {tag: session.cache_for(tag, cache) for tag, m in resolved if m.compresses}
-    caches.update({tag: cache for tag, m in resolved if not m.compresses})
-    return {tag: caches[tag] for tag, _ in methods}, logits
-
-
 def snapshot(cache):
     """What a cache holds now; cache updates replace tensors (never write into them), so keeping the
     references is enough to restore it."""
@@ -75,32 +56,30 @@ def main() -> int:
     a = p.parse_args()
 
     import torch
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
-    from harness.batch_decode import decode_together
+    from harness.generation.batch_decode import decode_together
+    from harness.generation.generate import shared_prefill
     from harness.decoding import greedy_decode
-    from harness.methods import build_method
     from harness.models import load_model
-    from harness.tasks.needle import haystack_files
-    from harness.tasks.needle_prompt import build_cell, prompt_parts
+    from harness.settings import compose_config, method_list
+    from harness.tasks.needle.task import haystack_ids
+    from harness.tasks.needle.prompt import build_cell, prompt_parts
 
     if a.threads:
         torch.set_num_threads(a.threads)
     names = [m for m in a.methods.split(",") if m]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"model={a.model}", "task=needle"])
-        methods = [(m, build_method(compose(config_name="config", overrides=[f"method={m}"]).method)) for m in names]
+    cfg = compose_config([f"model={a.model}", "task=needle"])
+    methods = method_list(names)
     loaded = load_model(cfg.model)
     model = loaded.model
     parts = prompt_parts(cfg.task, loaded)
-    text = "".join(f.read_text(encoding="utf-8", errors="replace") for f in haystack_files(cfg.task))
-    haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    haystack = haystack_ids(cfg.task, loaded.tokenizer)
     cell = build_cell(haystack * math.ceil(a.length / len(haystack)), parts, a.length, a.depth)
     ids = torch.tensor([cell.ids], device=loaded.device)
     length = ids.shape[1]
     start = time.perf_counter()
-    caches, logits = shared_prefill(model, methods, ids, length)
+    with shared_prefill(model, [(tag, m.resolve(length)) for tag, m in methods], ids) as shared:  # as a methods run does it
+        caches = {tag: shared.caches[tag] for tag, _ in methods}
+    logits = shared.logits
     print(f"{loaded.name}, {length} prompt tokens, shared prefill of {len(methods)} settings: {time.perf_counter() - start:.1f} s",
           flush=True)
     for tag, cache in caches.items():

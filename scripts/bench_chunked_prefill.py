@@ -35,22 +35,18 @@ def main() -> int:
     a = p.parse_args()
 
     import torch
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
-    from harness.methods import build_method
     from harness.models import load_model
-    from harness.tasks.common import Prompt, generate_settings
-    from harness.tasks.needle import haystack_files
-    from harness.tasks.needle_prompt import build_cell, prompt_parts
+    from harness.settings import compose_config, method_list
+    from harness.generation.generate import generate_settings
+    from harness.generation.prompt import Prompt
+    from harness.tasks.needle.task import haystack_ids
+    from harness.tasks.needle.prompt import build_cell, prompt_parts
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"model={a.model}", "task=needle", f"task.prompt_style={a.prompt_style}"])
-        methods = [(m, build_method(compose(config_name="config", overrides=[f"method={m}"]).method)) for m in a.methods.split(",")]
+    cfg = compose_config([f"model={a.model}", "task=needle", f"task.prompt_style={a.prompt_style}"])
+    methods = method_list(a.methods.split(","))
     loaded = load_model(cfg.model)
     parts = prompt_parts(cfg.task, loaded)
-    text = "".join(f.read_text(encoding="utf-8", errors="replace") for f in haystack_files(cfg.task))
-    haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    haystack = haystack_ids(cfg.task, loaded.tokenizer)
     haystack = haystack * math.ceil(a.length / len(haystack))
     cell = build_cell(haystack, parts, a.length, a.depth)
     prompt = Prompt(cell.ids, cell.question_start)

@@ -43,26 +43,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
-    from harness.methods import build_method
     from harness.models import load_model
-    from harness.tasks import needle
-    from harness.tasks.common import Prompt, Question, generate_settings, question_outcomes
+    from harness.settings import compose_config, method_list
+    from harness.tasks.needle import task as needle
+    from harness.generation.generate import generate_settings
+    from harness.generation.prompt import Prompt, Question, question_outcomes
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["task=needle", f"task.needles={args.needles}", "task.query_aware=false",
-                                                       *args.overrides])
-        methods = [(name, build_method(compose(config_name="config", overrides=[f"method={name}"]).method))
-                   for name in args.methods.split(",")]
+    cfg = compose_config(["task=needle", f"task.needles={args.needles}", "task.query_aware=false", *args.overrides])
+    methods = method_list(args.methods.split(","))
     loaded = load_model(cfg.model)
     task = cfg.task
     facts = needle.fact_parts(task, loaded, args.needles)
-    text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in needle.haystack_files(task))
-    haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    haystack = needle.haystack_ids(task, loaded.tokenizer)
     cell = needle.build_needles_cell(haystack, facts, args.length, args.depth)
     start = len(cell.context)
     prompt = Prompt(cell.context, questions=[Question(s, {"question": (start, start + len(s))}) for s in cell.suffixes])

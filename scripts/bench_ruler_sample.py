@@ -4,7 +4,7 @@ one prefill plus one decode per setting.
     python scripts/bench_ruler_sample.py [--experiment ruler_cpu] [--tasks niah_single_1,vt,cwe] [--length 4096]
                                          [--query-aware true|false] [--repeats 1] [--threads N] [overrides...]
 
-For each task's first sample (RULER's generator, the `ruler` task's prompt: harness.tasks.ruler.RulerTask), in
+For each task's first sample (RULER's generator, the `ruler` task's prompt: harness.tasks.ruler.task.RulerTask), in
 one process and interleaved:
 - full alone: the sample with the full cache only (`generate_settings` with one setting): its prefill time P and
   its decode time per generated token D;
@@ -47,23 +47,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
-    from harness.app import compose_settings, method_entries
+    from harness.settings import compose_config, compose_settings, method_entries
     from harness.methods import build_method
     from harness.models import load_model
-    from harness.tasks.common import generate_settings
-    from harness.tasks.ruler import RulerTask
+    from harness.generation.generate import generate_settings
+    from harness.tasks.ruler.task import RulerTask
 
     if args.threads:
         torch.set_num_threads(args.threads)
     names = args.tasks.split(",")
     overrides = [f"+experiment={args.experiment}", f"task.lengths=[{args.length}]", "task.samples=1",
                  f"task.tasks=[{','.join(names)}]", f"task.query_aware={args.query_aware}", *args.overrides]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-        settings = [(tag, build_method(scfg.method)) for tag, scfg in compose_settings(method_entries(cfg, overrides), overrides, "config")]
+    cfg = compose_config(overrides)
+    settings = [(tag, build_method(scfg.method)) for tag, scfg in compose_settings(method_entries(cfg, overrides), overrides, "config")]
     loaded = load_model(cfg.model)
     task = RulerTask(cfg, loaded)
     full = [(tag, m) for tag, m in settings if tag == "full"]

@@ -5,7 +5,7 @@ Runs, in one invocation and interleaved (the arms' order rotates from one repeat
 grid with the given methods (a) as one `python -m harness method=<m>` process per method, (b) as one
 `python -m harness 'methods=[...]'` process (one prefill per item, then the settings decode one after
 another), and (c) as that same methods run with the settings of each item decoded together
-(harness/batch_decode.py: one forward per step for every setting's cache), each into a fresh folder.
+(harness/generation/batch_decode.py: one forward per step for every setting's cache), each into a fresh folder.
 It prints the wall-time ratios (model load and process start included, as a user experiences it), the
 peak resident memory of each process, and whether every method's responses and kept-cache sizes are
 identical in all three.

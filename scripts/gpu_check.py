@@ -15,7 +15,7 @@ results/gpu/ as soon as it ends (a part that runs out of time tables what finish
 
 The time boxes of the whole plan (both invocations of the two-call protocol, setup counted twice)
 sum to BUDGET_S, under 8 minutes. Nothing here imports torch: the plan and the tables need only the
-standard library (tables of part b reuse harness.tasks.bench's aggregation, which needs omegaconf).
+standard library (tables of part b reuse harness.tasks.bench.task's aggregation, which needs omegaconf).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ LLAMA2_VOCAB = "ggml-vocab-llama-spm.gguf"  # llama.cpp's Llama-2 SentencePiece 
 # What the harness imports that the GPU image lacks or has at another version (docs/gpu_check.md): the image had
 # transformers 5.17 (this project: >= 5.24), whose 5.24 wants regex >= 2025.10.22 (the image's version unread).
 WHEEL_DISTS = ("hydra-core", "omegaconf", "antlr4-python3-runtime", "gguf", "transformers", "regex", "needlehaystack")
-IMPORTS = ("hydra", "omegaconf", "gguf", "transformers", "harness.app", "harness.tasks.needle", "harness.tasks.bench_worker")
+IMPORTS = ("hydra", "omegaconf", "gguf", "transformers", "harness.app", "harness.tasks.needle.task", "harness.tasks.bench.worker")
 
 METHODS = ("full", "snapkv", "streamingllm", "h2o", "pyramidkv")
 NEEDLE_GRID = ("task.lengths=[4096]", "task.depths=[10,50,90]")
@@ -552,7 +552,7 @@ def build_d(part: Part, done: dict[str, Outcome], plan: list[Part]) -> str:
 
 
 def build_b(part: Part, done: dict[str, Outcome], plan: list[Part]) -> str:
-    from harness.tasks.bench import aggregate
+    from harness.tasks.bench.task import aggregate
 
     run_dir = ROOT / part.steps[0].run_dir
     rows = read_jsonl(run_dir / "bench_rows.jsonl")

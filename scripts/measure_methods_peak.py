@@ -11,7 +11,7 @@ measured peak increase next to that analytic sum:
              + one forward's activations, taken from the `full` run: its peak minus its full cache
 
 The peak is the process's VmHWM (reset before each run) with glibc's mmap threshold at 1 MiB, so freed
-tensors leave the resident set and the peak follows live tensors (harness/tasks/bench_worker.py).
+tensors leave the resident set and the peak follows live tensors (harness/tasks/bench/worker.py).
 
     .venv/bin/python scripts/measure_methods_peak.py --length 8192 --out results/cpu/methods_peak.md
 """
@@ -28,9 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness.methods import build_method  # noqa: E402
-from harness.tasks.bench_worker import (PeakMeter, analytic_kv_bytes, model_dims, release_free_memory,  # noqa: E402
+from harness.tasks.bench.worker import (PeakMeter, analytic_kv_bytes, model_dims, release_free_memory,  # noqa: E402
                                         set_mmap_threshold)
-from harness.tasks.common import Prompt, generate_settings  # noqa: E402
+from harness.generation.generate import generate_settings  # noqa: E402
+from harness.generation.prompt import Prompt
 
 LISTS = {
     "full": ["full"],
@@ -43,15 +44,12 @@ LISTS = {
 
 
 def compose_method(entry):
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
+    from harness.settings import compose_config
 
     name = entry if isinstance(entry, str) else entry["name"]
     overrides = [f"method={name}"] + ([] if isinstance(entry, str) else
                                       [f"method.{k}={'null' if v is None else v}" for k, v in entry.items() if k != "name"])
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(overrides)
     return str(cfg.method.tag), build_method({k: v for k, v in cfg.method.items() if k != "tag"})
 
 
@@ -71,13 +69,10 @@ def main() -> None:
     parser.add_argument("--lists", nargs="*", default=list(LISTS), help="which lists to run (names of LISTS)")
     args = parser.parse_args()
 
-    from hydra import compose, initialize_config_dir
-
-    from harness import CONF_DIR
     from harness.models import load_model
+    from harness.settings import compose_config
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        loaded = load_model(compose(config_name="config").model)
+    loaded = load_model(compose_config().model)
     config = loaded.model.config
     dims = model_dims(config)
     ids = torch.randint(0, config.vocab_size, (args.length,), generator=torch.Generator().manual_seed(0)).tolist()

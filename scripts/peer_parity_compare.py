@@ -168,7 +168,7 @@ def setting_text(pair: dict) -> str:
 
 def default_differences(name: str, options: dict) -> str:
     """Our config's defaults (conf/method/<name>.yaml) where they differ from the kvpress-equal options."""
-    from harness.app import compose_settings
+    from harness.settings import compose_settings
     from harness.errors import HarnessError
 
     try:
@@ -228,7 +228,7 @@ def main(argv=None) -> int:
         f"{kv.get('transformers_version', '?')} and torch {kv.get('torch_version', '?')} (a separate venv, `.venv-kvpress`). CPU, float32, sdpa "
         "(eager for presses that read attention weights, on both sides).",
         "",
-        "- **Ids**: our needle prompt code (`harness/tasks/needle_prompt.py`) builds every cell once; both sides run exactly "
+        "- **Ids**: our needle prompt code (`harness/tasks/needle/prompt.py`) builds every cell once; both sides run exactly "
         "those ids. Cells: " + ", ".join(f"`{c}`" for c in rep.cells) + " (model/length/depth; SmolLM2 with its chat "
         "template, Gemma 3 270M with the completion prompt).",
         "- **Protocols**: query-aware (the whole prompt is compressed) and query-agnostic (the context is compressed, the "

@@ -27,14 +27,15 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from harness.app import compose_settings, override_value  # noqa: E402
+from harness.settings import compose_settings, override_value  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
 from harness.methods import METHODS, build_method  # noqa: E402
 from harness.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, chat_prefix_and_suffix  # noqa: E402
 from harness.models import load_model  # noqa: E402
-from harness.tasks.common import Outcome, Prompt, generate_settings  # noqa: E402
-from harness.tasks.needle import haystack_files  # noqa: E402
-from harness.tasks.needle_prompt import build_cell, prompt_parts  # noqa: E402
+from harness.generation.generate import generate_settings  # noqa: E402
+from harness.generation.prompt import Outcome, Prompt
+from harness.tasks.needle.task import haystack_files  # noqa: E402
+from harness.tasks.needle.prompt import build_cell, prompt_parts  # noqa: E402
 
 log = logging.getLogger("peer_parity")
 
@@ -170,7 +171,7 @@ def compose_pairs(model: str, methods: list[str], ratios: list[float], eager: bo
 
 
 def haystack_ids(task, tokenizer) -> list[int]:
-    """The needle task's haystack as token ids, exactly as harness/tasks/needle.py builds it."""
+    """The needle task's haystack as token ids, exactly as harness/tasks/needle/task.py builds it."""
     text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

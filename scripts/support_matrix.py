@@ -67,7 +67,7 @@ def cell(loaded, name: str, prompt) -> tuple[str, str | None]:
     import torch
 
     from harness.errors import HarnessError
-    from harness.tasks.common import generate_settings
+    from harness.generation.generate import generate_settings
 
     method = method_of(name)
     try:
@@ -101,7 +101,7 @@ def layout_line(loaded) -> str:
 def build() -> str:
     from harness.methods import METHODS
     from harness.models import load_model
-    from harness.tasks.common import Prompt
+    from harness.generation.prompt import Prompt
 
     import torch
 

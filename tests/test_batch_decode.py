@@ -1,4 +1,4 @@
-"""Settings decoded together (harness/batch_decode.py) give each setting's separate decode, token for token.
+"""Settings decoded together (harness/generation/batch_decode.py) give each setting's separate decode, token for token.
 
 Each setting's cache is built as a methods run builds it (one prefill, the engine compressing for every
 method at once, `Session.cache_for`); the reference is `generate_settings` with that one setting alone
@@ -18,13 +18,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import tiny_models
 from conftest import BACKENDS, tiny_model
-from harness.batch_decode import decode_together, decoded_with, refusal
+from harness.generation.batch_decode import decode_together, decoded_with, refusal
 from harness.decoding import prefill
 from harness.errors import HarnessError
 from harness.methods import build_method, compression
 from harness.methods.engine import attention_modules, new_cache
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, generate_settings
+from harness.generation.generate import generate_settings, shared_prefill
+from harness.generation.prompt import Prompt
 
 PROMPT, QUESTION_AT, NEW = 160, 140, 10
 
@@ -76,13 +77,8 @@ def together(model, methods, prompt: Prompt, *, query_aware: bool, inside_block:
     ids = torch.tensor([prompt.ids])
     length, end = len(prompt.ids), prompt.compressed_end(query_aware)
     resolved = [(tag, m.resolve(end)) for tag, m in methods]
-    keep_full = any(not m.compresses for _, m in resolved)
-    with torch.inference_mode(), compression(model, [tm for tm in resolved if tm[1].compresses], keep_full=keep_full) as session:
-        shared = new_cache(model)
-        session.compress_now = False
-        logits = prefill(model, shared, ids[:, :end], before_last=lambda: setattr(session, "compress_now", True))
-        caches = {tag: session.cache_for(tag, shared) for tag, m in resolved if m.compresses}
-        caches.update({tag: shared for tag, m in resolved if not m.compresses})
+    with shared_prefill(model, resolved, ids[:, :end]) as prefilled:
+        session, logits, caches = prefilled.session, prefilled.logits, prefilled.caches
         tags = list(caches)
         layouts = {tag: [tuple(layer.keys.shape[1:3]) for layer in caches[tag].layers] for tag in tags}
         suffix = ids[:, end:] if end < length else None

@@ -10,7 +10,8 @@ import torch
 from harness.errors import HarnessError
 from harness.methods import build_method
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, Question, batch_refusal, generate_settings, question_outcomes
+from harness.generation.generate import batch_refusal, generate_settings
+from harness.generation.prompt import Prompt, Question, question_outcomes
 from tiny_models import tiny_model
 
 LENGTH, QUESTION_AT, NEW = 112, 96, 5

@@ -96,7 +96,7 @@ def test_parts_d_brings_part_a_and_unknown_parts_fail_in_one_line():
 
 
 def test_needle_commands_compose_and_pair_separate_runs_with_the_methods_run():
-    from harness.app import compose_settings, method_entries
+    from harness.settings import compose_settings, method_entries
 
     plan = gpu.build_plan()
     shared, eager = gpu.step_of(plan, "a1"), gpu.step_of(plan, "a2")
@@ -115,7 +115,7 @@ def test_needle_commands_compose_and_pair_separate_runs_with_the_methods_run():
 
 
 def test_bench_commands_compose_validate_and_match_the_paper_setting():
-    from harness.tasks.bench import method_configs, validate
+    from harness.tasks.bench.task import method_configs, validate
 
     plan = gpu.build_plan()
     bench, search = gpu.step_of(plan, "b1"), gpu.step_of(plan, "c1")

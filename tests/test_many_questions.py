@@ -1,4 +1,4 @@
-"""Several questions over one compressed context (harness.tasks.common: Prompt.questions, _generate_group).
+"""Several questions over one compressed context (harness.generation: Prompt.questions, _generate_group).
 
 Rollback equals fresh: under the query-agnostic protocol each of K questions is asked on a rollback copy of
 every setting's compressed cache; its answer, and the exact logits and cache layout its decoding starts
@@ -17,7 +17,8 @@ from harness import decoding
 from harness.decoding import greedy_generate
 from harness.methods import build_method
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, Question, QuestionOutcomes, generate_settings, question_outcomes
+from harness.generation.generate import generate_settings
+from harness.generation.prompt import Prompt, Question, QuestionOutcomes, question_outcomes
 from tiny_models import tiny_model
 
 CONTEXT, QUESTION, NEW, K = 96, 24, 6, 3  # questions and answers longer than Gemma's 16-token window
@@ -212,7 +213,7 @@ def needle_cfg(*extra):
 
 def small_haystack(folder) -> str:
     """The first essays' opening 20K characters as the haystack (no 150K-token tokenization per run)."""
-    from harness.tasks import needle
+    from harness.tasks.needle import task as needle
 
     folder.mkdir()
     text = "".join(p.read_text(encoding="utf-8") for p in needle.haystack_files(needle_cfg().task)[:8])[:20000]
@@ -253,7 +254,7 @@ def test_needle_spans_hold_each_fact(tmp_path):
     """The needle spans of a several-needle cell are exactly the facts' tokens, each question asks its own fact."""
     from conftest import compose
     from harness.models import load_model
-    from harness.tasks import needle
+    from harness.tasks.needle import task as needle
 
     cfg = needle_cfg()
     loaded = load_model(compose("model=tiny-random").model)
@@ -277,7 +278,7 @@ def test_needle_spans_hold_each_fact(tmp_path):
 ])
 def test_bad_several_needle_settings(override, message):
     from harness.errors import HarnessError
-    from harness.tasks import needle
+    from harness.tasks.needle import task as needle
 
     with pytest.raises(HarnessError, match=message):
         needle.validate(needle_cfg(*override.split()).task)

@@ -9,10 +9,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import compose
-from harness.app import compose_settings, execute, job_dirname, method_entries, override_value
+from harness.app import execute
 from harness.errors import HarnessError
 from harness.methods import build_method
 from harness.rundir import result_key_differences
+from harness.settings import compose_settings, job_dirname, method_entries, override_value
 from test_robustness import small_haystack
 
 TINY = ("model=tiny-random", "progress=false")

@@ -121,7 +121,7 @@ def test_gemma3_270m_loads_and_answers(tmp_path):
     Opt-in: loading the derived copy takes ~10 s on a quiet machine (its 33 MB tokenizer.json, 1 GB of float32
     weights), up to ~40 s under load; building the copy the first time ~60 s."""
     from harness.models import load_model
-    from harness.tasks.longbench_data import render
+    from harness.tasks.longbench.data import render
 
     cfg = compose("model=gemma3-270m", "model.device=cpu").model
     pytest.importorskip(cfg.gguf_package, reason="Gemma 3 270M is not installed (scripts/setup.sh installs it)")

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.report import PAPER_CLAIMS, PAPER_TABLE, build, length_bucket, load_paper_table, method_setting, paper_average
+from harness.report import build
+from harness.report.claims import PAPER_CLAIMS
+from harness.tables import method_setting
+from harness.tasks.longbench.report import PAPER_TABLE, load_paper_table, paper_average
+from harness.tasks.needle.report import length_bucket
 from metrics.longbench_tasks import LONGBENCH_EN_TASKS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -523,7 +527,7 @@ def test_cli_paired_options(tmp_path):
 def test_recomputed_item_scores_reproduce_the_official_scorer_on_every_task(tmp_path):
     """The recompute path (no stored `score`): official metric per item, all 16 English tasks of the fixture data,
     predictions of graded quality; the task score from metrics.longbench.scorer must be reproduced exactly."""
-    from harness.paired import longbench_items
+    from harness.tasks.longbench.report import longbench_items
     from harness.report import collect
     from metrics.longbench import scorer
 
@@ -576,7 +580,7 @@ def test_paired_prefers_a_scored_sibling_full_run(tmp_path):
 
 
 def test_ratio_settings_are_labelled_with_their_ratio():
-    from harness.report_figures import _lines_setting
+    from harness.tasks.lines.report import _lines_setting
 
     ratio = {**SNAPKV_PAPER, "budget": None, "ratio": 0.25, "layer_budgets": None}
     assert method_setting(ratio) == ("SnapKV ratio 0.25 (W32 k7 maxpool)", None)  # never the paper's SnapKV 1024 column
@@ -606,7 +610,7 @@ def test_line_plot_gives_every_series_its_own_style_and_keeps_the_legend_off_the
 
 
 def test_paired_rows_below_the_minimum_items_show_no_interval(tmp_path):
-    from harness.paired import MIN_INTERVAL_ITEMS
+    from harness.report.paired import MIN_INTERVAL_ITEMS
 
     outputs = tmp_path / "outputs"
     snap = {"name": "snapkv", "budget": 1024, "window_size": 16, "kernel_size": 5, "pooling": "maxpool", "gqa": "expand"}

@@ -1,4 +1,4 @@
-"""The reuse gap section of `python -m harness.report` (harness/report_reuse.py), from run folders written here."""
+"""The reuse gap section of `python -m harness.report` (harness/report/reuse.py), from run folders written here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 
 from harness.report import build
-from harness.report_reuse import CSV_FIELDS
+from harness.report.reuse import CSV_FIELDS
 
 CELLS = [(n, d) for n in (2048, 4096) for d in (0.0, 50.0, 100.0)]
 K = 3
@@ -147,7 +147,7 @@ def test_a_run_recorded_before_an_option_existed_pairs_at_that_options_old_defau
     pair with a newer run that records it; a run of the other rule (`always`) must not."""
     from types import SimpleNamespace
 
-    from harness.report_reuse import method_description
+    from harness.report.reuse import method_description
 
     old = {"name": "kvzip", "budget": 1024, "ratio": None, "n_sink": 4, "chunk_size": 2048, "layerwise": False}
     new = {**old, "template_prefix": "if_present"}

@@ -4,7 +4,6 @@ detection, and `--smoke`: the whole plan in miniature on this CPU, end to end, t
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import re
 import subprocess
@@ -16,6 +15,7 @@ import pytest
 
 from conftest import compose
 from harness import CONF_DIR
+from harness import reproduce as rp
 from harness.tasks import TASKS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,15 +23,6 @@ SCRIPT = REPO / "scripts" / "reproduce_paper.py"
 NEEDLE_DEPTHS = [0, 11, 22, 33, 44, 56, 67, 78, 89, 100]
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("reproduce_paper", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["reproduce_paper"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-rp = load_script()
 
 
 def run_script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

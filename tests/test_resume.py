@@ -90,7 +90,9 @@ def test_keys_that_do_not_change_results_are_ignored():
 
 def test_the_task_grid_is_not_a_difference():
     """A task's GRID_KEYS only choose which items run: another grid resumes the directory, anything else is compared."""
-    from harness.tasks import lines, longbench, needle
+    from harness.tasks.lines import task as lines
+    from harness.tasks.longbench import task as longbench
+    from harness.tasks.needle import task as needle
 
     assert needle.GRID_KEYS == ("lengths", "depths") and lines.GRID_KEYS == ("lengths", "positions", "samples")
     assert longbench.GRID_KEYS == ("datasets", "limit")

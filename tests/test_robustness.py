@@ -253,7 +253,7 @@ def test_exit_status_for_failed_items(tmp_path, monkeypatch, capsys):
 def test_user_error_mid_run_keeps_finished_items(tmp_path, monkeypatch):
     """A user error after items finished (say, a bad line in a data file met late) keeps the finished
     work and the config that goes with it; only a run that finished nothing is rolled back."""
-    from harness.tasks import needle
+    from harness.tasks.needle import task as needle
 
     haystack = small_haystack(tmp_path / "haystack")
     cfg = _needle_cfg(haystack)

@@ -17,16 +17,10 @@ from typing import ClassVar
 import torch
 
 from harness.errors import HarnessError, require
+from harness.methods import attention
+from harness.methods.attention import repeat_kv  # noqa: F401  (methods import it from here too)
 
 GQA_MODES = ("expand", "mean", "max")
-
-
-def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, Hkv, L, d) -> (B, Hkv * groups, L, d): each KV head repeated for the query heads that share it."""
-    if groups == 1:
-        return states
-    b, h, length, d = states.shape
-    return states[:, :, None].expand(b, h, groups, length, d).reshape(b, h * groups, length, d)
 
 
 @dataclass
@@ -129,9 +123,7 @@ class CompressionMethod:
         """`select` on one layer from its queries (the engine's path captures them instead); returns keys, values."""
         stats = LayerStats(layer_idx, num_layers, queries=queries)
         if self.needs_column_sums:
-            from harness.methods.h2o import accumulated_attention
-
-            stats.column_sums = accumulated_attention(queries, keys)
+            stats.column_sums = attention.accumulated_attention(queries, keys)
         out = self.select(keys, values, stats)
         return out.keys, out.values
 

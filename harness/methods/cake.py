@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from harness.errors import require
 from harness.methods.base import ScoredMethod, Selection, keep_top_scored
 from harness.methods.registry import register
-from harness.methods.snapkv import window_attention
+from harness.methods.attention import window_attention
 
 
 def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> float:

@@ -63,7 +63,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from harness.errors import HarnessError, is_out_of_memory
 from harness.methods import layout as layouts
 from harness.methods import ragged
-from harness.methods.base import CompressionMethod, LayerStats, Selection, repeat_kv
+from harness.methods import attention
+from harness.methods.attention import repeat_kv
+from harness.methods.base import CompressionMethod, LayerStats, Selection
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -333,11 +335,9 @@ class Session:
         else:
             self.queries[idx] = query[:, :, :0]
         if self.column_sums:
-            from harness.methods.h2o import accumulated_attention
-
             block = min(getattr(s.method, "block_size", 512) for s in self.states.values() if s.method.needs_column_sums)
-            part = accumulated_attention(query, key, block_size=block, offset=k_len - q_len, scaling=getattr(module, "scaling", None),
-                                         layout=self.layout[idx] if self.layout else None)
+            part = attention.accumulated_attention(query, key, block_size=block, offset=k_len - q_len, scaling=getattr(module, "scaling", None),
+                                                   layout=self.layout[idx] if self.layout else None)
             prev = self.sums.get(idx)
             if prev is not None:
                 part[..., : prev.shape[-1]] += prev

@@ -32,63 +32,12 @@ GQA: queries keep their own heads; keys are shared by their query group without 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
-import torch
-import torch.nn.functional as F
-
 from harness.errors import require
+from harness.methods.attention import CPU_BLOCK_BYTES, accumulated_attention, cpu_block_rows  # noqa: F401
 from harness.methods.base import ScoredMethod
 from harness.methods.registry import register
-
-
-CPU_BLOCK_BYTES = 8 << 20  # a block's float32 logits on a CPU: about the size of a core's share of the cache
-
-
-def cpu_block_rows(block_size: int, rows_per_query: int, length: int) -> int:
-    """On a CPU, fewer query rows per block than `block_size` where a block's float32 logits (rows_per_query x rows
-    x length) would pass CPU_BLOCK_BYTES (at least 16 rows): a block that stays in the cache costs a third of one
-    that streams through memory (SmolLM2's 9 heads at 4K: 1.01 s with 512 rows vs 0.30 s with 64, one thread).
-    The column sums are the same for any block size (each row's softmax involves that row only; float sums group
-    differently, ~1e-7 relative)."""
-    return max(1, min(block_size, max(16, CPU_BLOCK_BYTES // (4 * rows_per_query * max(1, length)))))
-
-
-def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_size: int = 512, offset: int = 0,
-                          scaling: float | None = None, layout=None) -> torch.Tensor:
-    """Column sums (B, Hq, K) of the causal softmax attention of the given queries, in float32.
-
-    queries: (B, Hq, n, d) after RoPE, at prompt positions offset .. offset + n - 1 (a chunk of the
-    prompt; offset 0 and n = K for a one-shot prefill); keys: (B, Hkv, K, d), every key up to the
-    chunk's last position, Hq a multiple of Hkv. Rows are processed `block_size` at a time against
-    the keys they can see. Summing the results of consecutive chunks gives the one-shot result.
-    `scaling`: the softmax scale (default 1/sqrt(d)); `layout`: the layer's soft-cap and sinks (layout.py).
-    """
-    b, hq, n_queries, d = queries.shape
-    hkv, length = keys.shape[1], keys.shape[2]
-    require(hq % hkv == 0, f"query heads ({hq}) are not a multiple of key heads ({hkv})")
-    require(block_size > 0, f"method.block_size={block_size} must be > 0")
-    require(offset + n_queries == length, f"queries at {offset}..{offset + n_queries} do not end at the last key ({length})")
-    groups = hq // hkv
-    scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
-    block_size = cpu_block_rows(block_size, b * hq, length) if queries.device.type == "cpu" else block_size
-    totals = torch.zeros(b, hkv, groups, length, dtype=torch.float32, device=queries.device)
-    for start in range(0, n_queries, block_size):
-        end = min(start + block_size, n_queries)
-        n = end - start
-        visible = offset + end  # keys this block's last row can see
-        q = queries[:, :, start:end].reshape(b, hkv, groups * n, d)  # a query group's rows stacked
-        logits = torch.matmul(q, keys[:, :, :visible].transpose(-1, -2)) * scale  # model dtype; keys not copied
-        logits = logits.view(b, hkv, groups, n, visible)
-        if layout is not None:
-            logits = layout.capped(logits)
-        future = torch.ones(n, n, dtype=torch.bool, device=queries.device).triu(1)  # only the diagonal block
-        logits[..., offset + start:visible].masked_fill_(future, torch.finfo(logits.dtype).min)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float32) if layout is None else layout.softmax(logits)
-        totals[..., :visible] += probs.sum(dim=-2)
-        del logits
-    return totals.view(b, hq, length)
 
 
 @register

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.methods.base import repeat_kv
+from harness.methods.attention import repeat_kv
 
 # layer index -> the mask inputs of the ragged layer updated last (written by `update` right before
 # that layer's attention call, read by the observer in the same call).

@@ -11,47 +11,17 @@ aggregate the votes of the query heads sharing a KV head and keep one selection 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from harness.errors import require
-from harness.methods.base import ScoredMethod, gather_with_window, repeat_kv
+from harness.methods.attention import repeat_kv, window_attention
+from harness.methods.base import ScoredMethod, gather_with_window
 from harness.methods.registry import register
 
 POOLINGS = ("maxpool", "avgpool")
-
-
-def window_attention(query_states: torch.Tensor, key_states: torch.Tensor, window_size: int,
-                     scaling: float | None = None, layout=None) -> torch.Tensor:
-    """Softmax attention of the last `window_size` queries over all keys: (B, Hq, W, L), in the query dtype.
-
-    Logits in the model dtype, a causal mask inside the window only, softmax in float32 then cast
-    back, exactly as the official code. The official code divides by sqrt(head_dim); a module whose
-    own softmax scale differs (Gemma's query_pre_attn_scalar) passes `scaling`, which is then used
-    instead (None or 1/sqrt(d): the official division). Keys may have fewer heads than queries (GQA):
-    the query heads of a group are stacked against their one KV head, so keys are never expanded.
-    `layout` (LayerStats.layout): the layer's soft-cap and learned sinks, applied as the model applies them.
-    """
-    b, hq, _, head_dim = query_states.shape
-    hkv = key_states.shape[1]
-    groups = hq // hkv
-    window_q = query_states[..., -window_size:, :].reshape(b, hkv, groups * window_size, head_dim)
-    logits = torch.matmul(window_q, key_states.transpose(2, 3))
-    if scaling is None or math.isclose(scaling, 1 / math.sqrt(head_dim), rel_tol=1e-6):
-        logits = logits / math.sqrt(head_dim)
-    else:
-        logits = logits * scaling
-    logits = logits.view(b, hq, window_size, key_states.shape[-2])
-    if layout is not None:
-        logits = layout.capped(logits)
-    rows = torch.arange(window_size, device=logits.device)
-    future = rows[None, :] > rows[:, None]  # key j after query i, inside the window
-    logits[..., -window_size:] = logits[..., -window_size:].masked_fill(future, torch.finfo(logits.dtype).min)
-    probs = F.softmax(logits, dim=-1, dtype=torch.float32) if layout is None else layout.softmax(logits)
-    return probs.to(query_states.dtype)
 
 
 def snapkv_votes(query_states, key_states, *, window_size: int, kernel_size: int, pooling: str,

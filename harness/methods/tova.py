@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from harness.methods.registry import register
 from harness.methods.scoring import KVScorer
-from harness.methods.snapkv import window_attention
+from harness.methods.attention import window_attention
 
 
 @register

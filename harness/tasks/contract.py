@@ -24,17 +24,22 @@ loop (common.run_items: resume, progress, failures) and the same module signatur
 
 from __future__ import annotations
 
-import csv
+import gc
 import logging
+import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
+import torch
 from omegaconf import DictConfig
+from tqdm import tqdm
 
-from harness.errors import require
+from harness.errors import HarnessError, require
+from harness.generation.generate import ITEM_ERRORS, generate_settings
+from harness.generation.prompt import Prompt, question_outcomes
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, QuestionLog, generate_settings, question_records, run_shared_items
+from harness.rundir import JsonlLog, write_json
+from harness.tables import write_csv
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +164,7 @@ def run(task: GenerationTask, settings, *, progress: bool = True) -> dict:
     for s in settings:
         rows = sorted((r for k, r in logs[s.tag].records.items() if tuple(k[:width]) in order),
                       key=lambda r: (order[tuple(r[f] for f in task.key_fields)], r.get("question_index", 0)))
-        write_csv(s.run_dir.path / f"{task.log_name}.csv", rows, task.csv_columns)
+        write_csv(s.run_dir.path / f"{task.log_name}.csv", rows, task.csv_columns, lineterminator="\r\n")  # csv's default
         summary = task.summarize(rows)
         summary.update({f"failed_{task.noun}": len(outcome[s.tag].failures), "protocol": task.protocol,
                         "prefill_chunk_size": task.chunk_size})
@@ -169,16 +174,149 @@ def run(task: GenerationTask, settings, *, progress: bool = True) -> dict:
     return results
 
 
-def write_csv(path: Path, rows: list[dict], columns) -> None:
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def warn_evicted_questions(rows: list[dict], tag: str) -> None:
     """One warning line when compression evicted part of the question somewhere (query-aware runs)."""
     hit = [r for r in rows if r.get("question_kept") is not None and r["question_kept"] < 1]
     if hit:
         log.warning("%s: the question was partly evicted from the cache in %d of %d items (question_kept < 1; "
                     "see question_kept_by_layer in the item records)", tag, len(hit), len(rows))
+
+
+# ------------------------------------------------------------------------------------------ the item loop (resume)
+
+def question_records(outcomes: dict, questions: int, logs: dict, make: Callable) -> dict:
+    """Per setting, one record per question (`make(i, answer)`, in question order): {tag: [records]}, or the
+    first error that failed one of its questions (the answered ones are appended to that tag's log here, so
+    a rerun asks only the missing ones)."""
+    out = {}
+    for tag, outcome in outcomes.items():
+        records, error = [], None
+        for i, answer in enumerate(question_outcomes(outcome, questions)):
+            if answer.error is not None:
+                error = error or answer.error
+            else:
+                records.append(make(i, answer))
+        if error is not None and records:
+            logs[tag].append(records)
+        out[tag] = records if error is None else error
+    return out
+
+
+class QuestionLog:
+    """A task's log seen per item of K questions, for `run_shared_items`: records are keyed by the item's key
+    plus `question_index`; an item is in it once all K question records are, and `append` takes the item's
+    list of question records (those already there are skipped by the log). A partly done item (a question
+    failed, or the run stopped between records) is asked again and only its missing records are added."""
+
+    def __init__(self, log: JsonlLog, questions):
+        """questions: K for every item, or a function of the item's key giving its K."""
+        self.log = log
+        self.questions = questions if callable(questions) else (lambda key, k=int(questions): k)
+
+    def __contains__(self, key) -> bool:
+        return all((*key, i) in self.log for i in range(self.questions(key)))
+
+    def append(self, records: list[dict]) -> None:
+        for record in records:
+            self.log.append(record)
+
+    @property
+    def records(self) -> dict:
+        return self.log.records
+
+
+@dataclass
+class ItemResult:
+    done: int = 0
+    skipped: int = 0
+    failures: list | None = None
+
+
+def _failure(desc: str, key, exc: BaseException, tb: str) -> dict:
+    text = str(exc).strip()
+    return {"desc": desc, "key": list(key), "error": f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}",
+            "oom": isinstance(exc, (torch.OutOfMemoryError, MemoryError)), "traceback": tb}
+
+
+def run_shared_items(items: Iterable, *, logs: dict[str, JsonlLog], key: Callable, work: Callable, desc: str,
+                     failures_paths: dict | None = None, progress: bool = True, batch_size: int = 1,
+                     batch_key: Callable | None = None, work_batch: Callable | None = None) -> dict[str, ItemResult]:
+    """Run every item for every setting (tag) whose log does not hold it yet, one `work` call per item.
+
+    `work(item, tags)` gets the tags still missing that item and returns {tag: record, or the
+    exception that failed that tag}. Records are appended as they come; an out-of-memory or runtime
+    error is recorded (key, error, short traceback) in that tag's failures file as soon as it
+    happens, and the loop goes on; an error raised by `work` itself fails the item for every tag
+    asked. Failed items are not in the logs, so the next run retries exactly them (and only for the
+    settings that failed). A HarnessError (a user error) ends the run.
+
+    Batched items (`batch_size` > 1 with `work_batch(items, tags)`, which returns one such dict per item):
+    consecutive items with the same `batch_key` and the same missing tags go together, up to `batch_size`.
+    """
+    items = list(items)
+    results = {tag: ItemResult(failures=[]) for tag in logs}
+    todo = []
+    for it in items:
+        missing = [tag for tag, lg in logs.items() if key(it) not in lg]
+        for tag in logs:
+            if tag not in missing:
+                results[tag].skipped += 1
+        if missing:
+            todo.append((it, missing))
+    done_before = sum(r.skipped for r in results.values())
+    if done_before:
+        log.info("%s: %d of %d item records already done, resuming", desc, done_before, len(items) * len(logs))
+    paths = failures_paths or {}
+    batches: list[list] = []
+    for item, missing in todo:
+        same = bool(batches) and batch_size > 1 and work_batch is not None and len(batches[-1]) < batch_size and (
+            batches[-1][0][1] == missing and (batch_key is None or batch_key(batches[-1][0][0]) == batch_key(item)))
+        if same:
+            batches[-1].append((item, missing))
+        else:
+            batches.append([(item, missing)])
+    bar = tqdm(total=len(todo), desc=desc, unit="item", disable=not progress, dynamic_ncols=True)
+    for batch in batches:
+        missing = batch[0][1]
+        try:
+            outs = work_batch([it for it, _ in batch], missing) if len(batch) > 1 else [work(batch[0][0], missing)]
+        except HarnessError:
+            raise
+        except ITEM_ERRORS as exc:
+            outs = [{tag: exc for tag in missing} for _ in batch]
+            tb = traceback.format_exc(limit=-3)
+        else:
+            tb = None
+        oom = False
+        for (item, _), out in zip(batch, outs):
+            for tag in missing:
+                record = out.get(tag)
+                if isinstance(record, BaseException):
+                    failure = _failure(desc, key(item), record, tb or "".join(traceback.format_exception(record, limit=-3)))
+                    log.warning("%s [%s]: item %s failed: %s", desc, tag, key(item), failure["error"])
+                    results[tag].failures.append(failure)
+                    oom = oom or failure["oom"]
+                    if paths.get(tag) is not None:
+                        write_json(paths[tag], results[tag].failures)
+                elif record is not None:
+                    logs[tag].append(record)
+                    results[tag].done += 1
+        bar.update(len(batch))
+        del outs
+        if oom:  # outside the except block: the failed item's frames and tensors are already released
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    bar.close()
+    for tag, path in paths.items():
+        if path is not None:
+            write_json(path, results[tag].failures)
+    return results
+
+
+def run_items(items: Iterable, *, log_file: JsonlLog, key: Callable, work: Callable[[object], dict], desc: str,
+              failures_path=None, progress: bool = True) -> ItemResult:
+    """`run_shared_items` for one log: `work(item)` returns the item's record."""
+    results = run_shared_items(items, logs={"_": log_file}, key=key, work=lambda item, tags: {"_": work(item)}, desc=desc,
+                               failures_paths={"_": failures_path}, progress=progress)
+    return results["_"]

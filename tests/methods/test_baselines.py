@@ -121,7 +121,7 @@ def test_h2o_blocked_accumulation_equals_dense(block_size):
 def test_h2o_blocks_on_a_cpu_stay_cache_sized_and_exact(monkeypatch):
     """On a CPU the rows per block shrink so a block's float32 logits stay within CPU_BLOCK_BYTES (at least 16 rows,
     never more than block_size); the column sums stay the dense ones."""
-    from harness.methods import h2o
+    from harness.methods import attention as h2o
 
     assert h2o.cpu_block_rows(512, 9, 4096) == (8 << 20) // (4 * 9 * 4096) == 56  # SmolLM2's 9 heads at 4K
     assert h2o.cpu_block_rows(512, 32, 32768) == 16 and h2o.cpu_block_rows(33, 9, 4096) == 33

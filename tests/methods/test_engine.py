@@ -25,7 +25,8 @@ from harness.decoding import greedy_generate
 from harness.errors import HarnessError
 from harness.methods import METHODS, build_method, compression
 from harness.models import LoadedModel
-from harness.tasks.common import Prompt, generate_settings
+from harness.generation.generate import generate_settings
+from harness.generation.prompt import Prompt
 
 PROMPT, QUESTION_AT, NEW = 160, 140, 10
 

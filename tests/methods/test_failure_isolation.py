@@ -15,7 +15,8 @@ import pytest
 from harness.methods import build_method
 from harness.methods.cake import CAKE
 from harness.methods.snapkv import SnapKV
-from harness.tasks.common import Prompt, generate_settings
+from harness.generation.generate import generate_settings
+from harness.generation.prompt import Prompt
 from test_many_questions import loaded_of, tokens
 from tiny_models import tiny_model
 

@@ -20,7 +20,8 @@ from tiny_models import family_model
 from harness.errors import HarnessError
 from harness.methods import build_method, compression
 from harness.methods.snapkv import window_attention
-from harness.tasks.common import Prompt, Question, generate_settings
+from harness.generation.generate import generate_settings
+from harness.generation.prompt import Prompt, Question
 
 NEW = 6  # tokens decoded per setting (test_engine decodes 10: these run every method on six families)
 RUNNING = ("gpt-oss", "gemma2", "llama4", "smollm3", "qwen3.5", "gemma4")

@@ -60,7 +60,8 @@ def test_kvzip_prunes_globally_keeps_sinks_and_counts_its_forwards():
     from test_engine import loaded_of, prompt_ids  # noqa: E402
 
     from conftest import tiny_model
-    from harness.tasks.common import Prompt, generate_settings
+    from harness.generation.generate import generate_settings
+    from harness.generation.prompt import Prompt
 
     model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
     method = build_method({"name": "kvzip", "budget": None, "ratio": 0.25, "window_size": 0, "n_sink": 4, "chunk_size": 64,
@@ -92,7 +93,8 @@ def test_kvzip_settings_of_several_budgets_share_one_replay(monkeypatch):
 
     from conftest import tiny_model
     from harness.methods import engine
-    from harness.tasks.common import Prompt, generate_settings
+    from harness.generation.generate import generate_settings
+    from harness.generation.prompt import Prompt
 
     model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
     options = {"name": "kvzip", "budget": None, "window_size": 0, "n_sink": 4, "chunk_size": 64, "layerwise": False,

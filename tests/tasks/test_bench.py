@@ -39,7 +39,7 @@ def one_thread():
 @pytest.mark.parametrize("method", [FULL, MEAN, EXPAND], ids=lambda m: m["label"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_kv_bytes_measured_equal_analytic(tiny_random, one_thread, method, batch):
-    from harness.tasks.bench_worker import measure
+    from harness.tasks.bench.worker import measure
 
     r = measure(tiny_random.model, _opts(method), 256, batch_size=batch, decode_tokens=3, seed=0)
     # tiny-random: 2 layers, 4 query heads, 2 KV heads, head_dim 16, float32
@@ -54,7 +54,7 @@ def test_kv_bytes_measured_equal_analytic(tiny_random, one_thread, method, batch
 
 
 def test_short_prompt_is_not_compressed(tiny_random, one_thread):
-    from harness.tasks.bench_worker import measure
+    from harness.tasks.bench.worker import measure
 
     r = measure(tiny_random.model, _opts(EXPAND), 48, batch_size=1, decode_tokens=2, seed=0)
     assert r["kept_tokens"] == [48] and r["cache_heads"] == [2]  # shorter than the budget: kept whole, KV heads
@@ -64,7 +64,7 @@ def test_short_prompt_is_not_compressed(tiny_random, one_thread):
 def test_analytic_ratios_smollm2_shape():
     """The issue's targets on SmolLM2's shape (30 layers, 9 query / 3 KV heads): full / SnapKV-1024 at 8K = 8 (mean), 8/3 (expand)."""
     from harness.methods import build_method
-    from harness.tasks.bench_worker import analytic_kv_bytes
+    from harness.tasks.bench.worker import analytic_kv_bytes
 
     dims = {"layers": 30, "query_heads": 9, "kv_heads": 3, "head_dim": 64}
     full, _ = analytic_kv_bytes(dims, build_method({"name": "full"}), 8192, 1, 4)
@@ -77,7 +77,7 @@ def test_analytic_ratios_smollm2_shape():
 # ------------------------------------------------------------------------------------------ search
 
 def test_search_doubles_then_bisects_on_a_fake_memory_model():
-    from harness.tasks.bench import search_max_length
+    from harness.tasks.bench.task import search_max_length
 
     weights, per_token, cap = 500, 3, 50_000  # fits while weights + per_token * n <= cap: n <= 16500
     out = search_max_length(lambda n: weights + per_token * n <= cap, start=1024, resolution=512, upper=1 << 20)
@@ -90,7 +90,7 @@ def test_search_doubles_then_bisects_on_a_fake_memory_model():
 
 
 def test_search_edges():
-    from harness.tasks.bench import search_max_length
+    from harness.tasks.bench.task import search_max_length
 
     assert search_max_length(lambda n: True, start=1000, resolution=10, upper=5000) == {
         "max_length": 5000, "first_failure": None, "reached_upper": True,
@@ -102,7 +102,7 @@ def test_search_edges():
 
 
 def test_is_oom_recognises_every_form():
-    from harness.tasks.bench_worker import is_oom
+    from harness.tasks.bench.worker import is_oom
 
     assert is_oom(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_oom(MemoryError())
@@ -120,7 +120,7 @@ def _bench_cfg(*extra):
 
 def test_bench_end_to_end_then_resume(tmp_path, monkeypatch):
     from harness.app import execute
-    from harness.tasks import bench_worker
+    from harness.tasks.bench import worker as bench_worker
 
     cfg = _bench_cfg()
     results = execute(cfg, tmp_path)
@@ -211,7 +211,7 @@ def test_bench_search_finds_the_length_where_the_cap_binds(tmp_path):
 
 def test_validate_rejects_bad_task_configs():
     from harness.errors import HarnessError
-    from harness.tasks.bench import validate
+    from harness.tasks.bench.task import validate
 
     with pytest.raises(HarnessError, match="unique"):
         validate(compose("task=bench", _methods_override([FULL, FULL])).task)
@@ -228,7 +228,7 @@ def test_worker_process_peak_and_memory_cap(tmp_path):
     out-of-memory (RLIMIT_AS) while the worker lives on and serves the next request."""
     from omegaconf import OmegaConf
 
-    from harness.tasks.bench import PerMethodRunner
+    from harness.tasks.bench.task import PerMethodRunner
 
     init = {"model": OmegaConf.to_container(compose("model=tiny-random").model, resolve=True), "seed": 0, "threads": 1,
             "warmup": 1, "warmup_length": 32, "decode_tokens": 2, "batch_size": 1, "memory_cap_bytes": int(1.5 * 1024**3)}
@@ -298,7 +298,7 @@ class _FakeCuda:
 
 def test_compress_timer_never_synchronises_inside_the_prefill(monkeypatch):
     """CUDA: two events per selection, recorded on the keys' device's stream; the host waits only in finish()."""
-    from harness.tasks.bench_worker import CompressTimer
+    from harness.tasks.bench.worker import CompressTimer
 
     fake = _FakeCuda({}, {}).install(monkeypatch)
 
@@ -333,8 +333,8 @@ def test_compress_timer_never_synchronises_inside_the_prefill(monkeypatch):
 def test_compress_time_includes_the_capture_of_h2os_column_sums(tiny_random, one_thread, monkeypatch):
     """H2O's main cost, its attention column sums, is computed in the observer during the prompt's attention, not in
     `select`: compress_s counts it (capture + select). A known delay injected into the column sums must show up there."""
-    from harness.methods import h2o
-    from harness.tasks.bench_worker import measure
+    from harness.methods import attention as h2o
+    from harness.tasks.bench.worker import measure
 
     real, calls, delay = h2o.accumulated_attention, [], 0.05
 
@@ -353,7 +353,7 @@ def test_compress_time_includes_the_capture_of_h2os_column_sums(tiny_random, one
 
 
 def test_compress_timing_on_cpu(tiny_random, one_thread):
-    from harness.tasks.bench_worker import measure
+    from harness.tasks.bench.worker import measure
 
     r = measure(tiny_random.model, _opts(MEAN), 256, batch_size=1, decode_tokens=2, seed=0)
     assert r["compress_timing"] == "perf_counter" and r["compress_calls"] == 2 and 0 < r["compress_s"] < r["prefill_s"]
@@ -361,7 +361,7 @@ def test_compress_timing_on_cpu(tiny_random, one_thread):
 
 
 def test_devices_peaks_and_caps_cover_every_gpu_of_a_device_map(monkeypatch):
-    from harness.tasks.bench_worker import PeakMeter, arm_memory_cap, disarm_memory_cap, model_devices
+    from harness.tasks.bench.worker import PeakMeter, arm_memory_cap, disarm_memory_cap, model_devices
 
     class Sharded(torch.nn.Module):  # what device_map=auto leaves: hf_device_map (parameters here are on CPU)
         def __init__(self):
@@ -390,7 +390,7 @@ def test_devices_peaks_and_caps_cover_every_gpu_of_a_device_map(monkeypatch):
 
 def test_decode_is_reported_per_step_and_per_token():
     """Batch 2: one decode step yields two tokens; the table says ms/step and ms/token (= ms/step / 2)."""
-    from harness.tasks.bench import aggregate, markdown, summarize
+    from harness.tasks.bench.task import aggregate, markdown, summarize
 
     def row(label, name, step_ms):
         return {"label": label, "length": 1024, "repeat": 0, "method": {"name": name}, "batch_size": 2, "prefill_s": 1.0,
@@ -412,7 +412,7 @@ def test_kv_bytes_of_hybrid_sliding_layers(one_thread):
     """Gemma 3's hybrid cache: sliding-window layers keep W - 1 positions and are never compressed."""
     from tiny_models import tiny_model
 
-    from harness.tasks.bench_worker import measure
+    from harness.tasks.bench.worker import measure
 
     model = tiny_model("gemma3")  # 6 layers: 5 sliding (window 16) + 1 full
     for method, heads, kept in ((FULL, [2], [15, 256]), (MEAN, [2], [15, 64]), (EXPAND, [2, 4], [15, 64])):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import compose, run_cli
-from harness.tasks import contract, lines
+from harness.tasks import contract
+from harness.tasks.lines import task as lines
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LINE = re.compile(r"^line ([a-z]+-[a-z]+): REGISTER_CONTENT is <(\d{5})>$")
@@ -107,7 +108,7 @@ def test_lines_end_to_end_cli_resume_heatmap_and_report(tmp_path):
     assert again.returncode == 0 and len(log_file.read_text().splitlines()) == 4
 
     from harness.report import collect
-    from harness.report_figures import lines_section
+    from harness.tasks.lines.report import lines_section
 
     found, _ = collect(tmp_path / "runs")
     out = tmp_path / "tables"

@@ -15,8 +15,9 @@ import torch
 
 from conftest import REPO, compose
 from harness.app import execute
-from harness.tasks import contract, longbench
-from harness.tasks.longbench_data import load_rows, data_source
+from harness.tasks import contract
+from harness.tasks.longbench import task as longbench
+from harness.tasks.longbench.data import load_rows, data_source
 from metrics.longbench import scorer
 from metrics.longbench_config import load_dataset2maxlen
 from metrics.longbench_tasks import LONGBENCH_E_BUCKETS, LONGBENCH_EN_TASKS

@@ -17,7 +17,7 @@ import torch
 
 from harness.errors import HarnessError
 from harness.models import VICUNA_SYSTEM, LoadedModel, embedded_tokenizer
-from harness.tasks import longbench_data as lbd
+from harness.tasks.longbench import data as lbd
 from metrics.longbench import scorer, scorer_e
 from metrics.longbench_config import load_dataset2prompt, read_config_text
 from metrics.longbench_tasks import LONGBENCH_ALL_TASKS, LONGBENCH_E_TASKS, LONGBENCH_EN_TASKS
@@ -305,7 +305,7 @@ def copy_fixtures(tmp_path: Path, names=("qasper", "trec")) -> Path:
 
 
 def validate_dir(folder, *datasets):
-    from harness.tasks import longbench
+    from harness.tasks.longbench import task as longbench
 
     longbench.validate(compose("task=longbench", f"task.data_dir={folder}", f"task.datasets=[{','.join(datasets)}]").task)
 
@@ -448,7 +448,7 @@ def test_hub_data_zip_is_downloaded_once_and_read_from_the_zip(tmp_path, monkeyp
     lbd.hub_zip.cache_clear()
     try:
         cfg = compose("task=longbench_e", "task.hub_repo=someone/LongBenchCopy").task
-        from harness.tasks import longbench
+        from harness.tasks.longbench import task as longbench
 
         longbench.validate(cfg)
         plan = longbench.make_plan(cfg)

@@ -12,7 +12,8 @@ import pytest
 from conftest import REPO, compose
 from harness.app import execute
 from harness.errors import HarnessError
-from harness.tasks import contract, needle, needle_prompt
+from harness.tasks import contract
+from harness.tasks.needle import prompt as needle_prompt, task as needle
 
 
 

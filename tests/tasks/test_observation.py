@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import compose, run_cli, tiny_model
-from harness.tasks import observation as obs
+from harness.tasks.observation import task as obs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -287,7 +287,7 @@ def test_observation_end_to_end_cli_resume_and_report(tmp_path):
     assert json.loads((run / "full" / "results.json").read_text())["summary"]["fig2_hit_rate"] == s["fig2_hit_rate"]
 
     from harness.report import collect
-    from harness.report_figures import report_sections
+    from harness.tasks.observation.report import report_sections
 
     runs, _ = collect(tmp_path)
     out = tmp_path / "tables"

@@ -13,8 +13,8 @@ import pytest
 from conftest import compose
 from harness.app import execute
 from harness.errors import HarnessError
-from harness.tasks import ruler
-from harness.tasks.ruler_data import (
+from harness.tasks.ruler import task as ruler
+from harness.tasks.ruler.data import (
     DEPTHS,
     NOISE,
     SYNTHETIC,

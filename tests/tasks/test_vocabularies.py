@@ -15,8 +15,8 @@ import torch
 from conftest import compose
 from harness.errors import HarnessError
 from harness.models import LoadedModel, embedded_tokenizer
-from harness.tasks import needle
-from harness.tasks.needle_prompt import PromptParts, build_cell, insert_needle, period_token_ids, prompt_parts
+from harness.tasks.needle import task as needle
+from harness.tasks.needle.prompt import PromptParts, build_cell, insert_needle, period_token_ids, prompt_parts
 from vocab import vocab_tokenizer
 
 NAMES = ("llama-spm", "llama-bpe", "qwen2", "command-r", "smollm2")
@@ -128,7 +128,7 @@ def test_periods_merged_with_newlines_count(name):
 def test_observation_needles_land_at_their_depths(name):
     """task=observation's haystack documents place their needles by needle's rule (place_needles): with Llama-2
     SentencePiece the old `tok(".")` walk-back put the needle asked at depth 25 at token 0 of ~4K."""
-    from harness.tasks import observation
+    from harness.tasks.observation import task as observation
 
     tok = tokenizer_of(name)
     task = compose("task=observation", "task.documents_per_length=1").task

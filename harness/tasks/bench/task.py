@@ -7,7 +7,7 @@ token ids, the same for every method at a length. One measurement = one prefill 
 `decode_tokens` timed decode steps with EOS disabled (see `bench_worker.measure`).
 
 Where measurements run (`task.isolation`):
-- `method`: one persistent worker process per method (`python -m harness.tasks.bench_worker`),
+- `method`: one persistent worker process per method (`python -m harness.tasks.bench.worker`),
   loaded and warmed up once; the per-measurement CPU peak comes from resetting the resident
   high-water mark before each measurement (/proc/self/clear_refs). The CPU default: a fresh
   process costs ~11 s here (imports + SmolLM2 load), 48 of them would add ~9 min to a ~10 min run.
@@ -48,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import REPO_ROOT
 from harness.errors import HarnessError, require
 from harness.rundir import RunDir, provenance, write_json, write_text
+from harness.tables import _safe
 
 log = logging.getLogger(__name__)
 ISOLATIONS = ("auto", "method", "measurement", "none")
@@ -162,7 +163,7 @@ class WorkerProcess:
         with open(self.log_path, "a", encoding="utf-8") as err:
             err.write(f"\n--- worker start {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
             err.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "harness.tasks.bench_worker"], stdin=subprocess.PIPE,
+            self.proc = subprocess.Popen([sys.executable, "-m", "harness.tasks.bench.worker"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, text=True, cwd=str(REPO_ROOT), env=env)
         self.proc.stdin.write(json.dumps(self.init) + "\n")
         self.proc.stdin.flush()
@@ -235,7 +236,7 @@ class InProcessRunner(Runner):
         super().__init__(*args, **kwargs)
         import torch
 
-        from harness.tasks.bench_worker import WorkerCore
+        from harness.tasks.bench.worker import WorkerCore
 
         self.threads_before = torch.get_num_threads()
         self.core = WorkerCore(self.init_for(list(self.methods)))
@@ -251,7 +252,7 @@ class InProcessRunner(Runner):
         if self.core is None:
             return
         if self.core.device.type == "cuda" and self.base_init.get("memory_cap_bytes"):
-            from harness.tasks.bench_worker import disarm_memory_cap
+            from harness.tasks.bench.worker import disarm_memory_cap
 
             disarm_memory_cap(self.core.devices)
         torch.set_num_threads(self.threads_before)  # the harness process keeps its own setting
@@ -321,16 +322,12 @@ class PerMeasurementRunner(Runner):
             worker.close()
 
 
-def _safe(label: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in label)
-
-
 def choose_isolation(requested: str, device_type: str) -> str:
     if requested != "auto":
         return requested
     if device_type == "cuda":
         return "none"
-    from harness.tasks.bench_worker import reset_peak_rss
+    from harness.tasks.bench.worker import reset_peak_rss
 
     return "method" if reset_peak_rss() else "measurement"
 
@@ -448,7 +445,7 @@ def _median(values):
 
 
 def _pct(values, q):
-    from harness.tasks.bench_worker import _percentile
+    from harness.tasks.bench.worker import _percentile
 
     return _percentile([v for v in values if v is not None], q)
 
@@ -641,7 +638,7 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
         "(measured = analytic layers x heads x kept x head_dim x 2 x dtype bytes, ✓). Peak: the measurement's peak "
         "memory above what was resident/allocated just before it." + (
             f" CPU peaks: glibc M_MMAP_THRESHOLD = {table[0]['prefill_mmap_threshold']} bytes during the prefill, so freed "
-            "tensors leave the resident set at once (see harness/tasks/bench_worker.py)." if table and table[0].get("prefill_mmap_threshold") else ""),
+            "tensors leave the resident set at once (see harness/tasks/bench/worker.py)." if table and table[0].get("prefill_mmap_threshold") else ""),
         "",
         "| method | prompt | prefill s | compress s: capture + select (% full prefill) | prefill vs full | decode ms/step median | p90 | ms/token "
         "| tok/s | decode × full | decode × full@budget | KV MB | heads × kept | KV full ÷ this | peak +MB | peak × full |",

@@ -28,12 +28,14 @@ from harness.errors import HarnessError, require
 from harness.models import LoadedModel
 from harness.rundir import write_json, write_text
 from harness.tasks import contract
-from harness.tasks.common import Prompt
+from harness.generation.prompt import Prompt
+from harness.tables import _mean
 from harness.tasks.contract import Built, GenerationTask, protocol_name, warn_evicted_questions
-from harness.tasks.longbench_data import (
+from harness.tasks.longbench.data import (
     NO_QUESTION_TASKS,
     NOTHING_AFTER_CONTEXT,
     RAW_TASKS,
+    SHORT_NAMES,
     build_prompt,
     check_options,
     data_source,
@@ -59,15 +61,6 @@ GRID_KEYS = ("datasets", "limit")
 
 PRED_DIR = "pred"
 TABLE_FILE = "longbench_table.md"
-# Column headers of the papers' LongBench tables (SnapKV, PyramidKV, ...).
-SHORT_NAMES = {
-    "narrativeqa": "NrtvQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "hotpotqa": "HotpotQA",
-    "2wikimqa": "2WikiMQA", "musique": "Musique", "gov_report": "GovReport", "qmsum": "QMSum",
-    "multi_news": "MultiNews", "trec": "TREC", "triviaqa": "TriviaQA", "samsum": "SAMSum",
-    "passage_count": "PCount", "passage_retrieval_en": "PRe", "lcc": "Lcc", "repobench-p": "RB-P",
-    "multifieldqa_zh": "MF-zh", "dureader": "DuReader", "vcsum": "VCSum", "lsht": "LSHT",
-    "passage_retrieval_zh": "PRe-zh",
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -184,7 +177,7 @@ class LongBenchDataset(GenerationTask):
 
 
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
-    """Every selected item for every setting (harness.tasks.common.Setting), one prefill per item.
+    """Every selected item for every setting (harness.generation.prompt.Setting), one prefill per item.
 
     Returns {tag: {"summary", "rows", "failures"}}."""
     task = cfg.task
@@ -342,11 +335,6 @@ def describe_rules(plan: Plan, loaded: LoadedModel, budget: int, guard_all: bool
     }
 
 
-def _mean(values) -> float | None:
-    values = list(values)
-    return round(sum(values) / len(values), 4) if values else None
-
-
 def _nan_to_none(x: float):
     return None if isinstance(x, float) and math.isnan(x) else x
 
@@ -424,7 +412,7 @@ def _bucket(length: int) -> str:
     return "0-4k" if length < 4000 else "4-8k" if length < 8000 else "8k+"
 
 
-def _fmt(x) -> str:
+def _cell(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
@@ -436,16 +424,16 @@ def markdown_table(summary: dict, model: str, method_tag: str) -> str:
         lines += ["| Task | " + " | ".join(LONGBENCH_E_BUCKETS) + " | All |", "|---|" + "---:|" * (len(LONGBENCH_E_BUCKETS) + 1)]
         for t in names:
             b = summary["bucket_scores"][t]
-            lines.append(f"| {SHORT_NAMES.get(t, t)} | " + " | ".join(_fmt(b[k]) for k in LONGBENCH_E_BUCKETS) + f" | {_fmt(summary['scores'][t])} |")
+            lines.append(f"| {SHORT_NAMES.get(t, t)} | " + " | ".join(_cell(b[k]) for k in LONGBENCH_E_BUCKETS) + f" | {_cell(summary['scores'][t])} |")
         avg = summary["bucket_average"]
-        lines.append("| **Avg.** | " + " | ".join(_fmt(avg[k]) for k in LONGBENCH_E_BUCKETS) + f" | {_fmt(summary['average'])} |")
+        lines.append("| **Avg.** | " + " | ".join(_cell(avg[k]) for k in LONGBENCH_E_BUCKETS) + f" | {_cell(summary['average'])} |")
     else:
         lines += ["| Method | " + " | ".join(SHORT_NAMES.get(t, t) for t in names) + " | Avg. |",
                   "|---|" + "---:|" * (len(names) + 1),
-                  f"| {method_tag} | " + " | ".join(_fmt(summary["scores"][t]) for t in names) + f" | {_fmt(summary['average'])} |"]
+                  f"| {method_tag} | " + " | ".join(_cell(summary["scores"][t]) for t in names) + f" | {_cell(summary['average'])} |"]
     cats = summary["categories"]
     lines += ["", "| " + " | ".join(c for c in TASK_CATEGORIES if c in cats) + " |", "|" + "---:|" * len(cats),
-              "| " + " | ".join(_fmt(cats[c]) for c in TASK_CATEGORIES if c in cats) + " |", ""]
+              "| " + " | ".join(_cell(cats[c]) for c in TASK_CATEGORIES if c in cats) + " |", ""]
     lines += [
         f"- Avg.: {summary['average_note']}.",
         f"- Items: {summary['total_items']} ({', '.join(f'{t} {c}' for t, c in summary['items'].items())})"

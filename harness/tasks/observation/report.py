@@ -1,16 +1,13 @@
-"""Figures and report sections of the observation experiments (SnapKV Figures 2-5) and LongEval-Lines
-(the pooling ablation, Figure 8).
+"""Figures and the report section of the observation experiments (SnapKV Figures 2-5).
 
-The task runners call `observation_figures` / `lines_heatmap` for each run directory; `harness.report`
-calls `report_sections(runs, out)` (or `observation_section` / `lines_section` one by one), which
-redraw the figures from each run's results.json (no torch, no model) and write `observation.md|csv`,
-`observation/`, `lines.md|csv`, `lines/` into the table set. Each section owns those names only and
-removes them before writing.
+The task calls `observation_figures` for each run directory; `python -m harness.report` calls `tables(runs, out,
+options)` (`observation_section`), which redraws the figures from each run's results.json (no torch, no model) and
+writes `observation.md|csv` and `observation/` into the table set. The section owns those names only and removes
+them before writing.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import matplotlib
@@ -18,12 +15,17 @@ import matplotlib
 matplotlib.use("Agg")  # headless, deterministic
 import matplotlib.pyplot as plt  # noqa: E402
 
-from harness.report import markdown_table, write_csv  # noqa: E402  (report imports this module lazily)
+from harness.tables import Tables, _fmt, _safe, clean, markdown_table, write_csv  # noqa: E402
+from harness.results import finished  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 OBS_FILES = ("observation.md", "observation.csv")
-LINES_FILES = ("lines.md", "lines.csv")
+OUTPUT_FILES, OUTPUT_DIRS = OBS_FILES, ("observation",)
+
+
+def _fmt3(v) -> str:  # these tables show 3 decimals
+    return _fmt(v, 3)
 
 
 # ------------------------------------------------------------------------------------------ figures
@@ -117,52 +119,15 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def lines_heatmap(rows: list[dict], path: Path, *, title: str) -> Path | None:
-    """Ground-truth position x prompt length, exact-match accuracy, the needle heatmap's colours."""
-    from harness.plots import grid_heatmap
-
-    return grid_heatmap(rows, Path(path), title=title, y_key="position", xlabel="prompt length (tokens)",
-                        ylabel="ground-truth line position (%)", what="LongEval-Lines exact match")
-
-
 # ------------------------------------------------------------------------------------------ report sections
-
-def _fmt(v, digits: int = 3) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    if isinstance(v, (list, tuple)):
-        return "–".join(_fmt(x, digits) for x in v)
-    return str(v)
-
-
-def _safe(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(text))
-
-
-def _clean(out: Path, files: tuple[str, ...], folder: str) -> None:
-    for name in files:
-        if (out / name).is_file():
-            (out / name).unlink()
-    if (out / folder).is_dir():
-        shutil.rmtree(out / folder)
-
-
-def _complete(run) -> bool:
-    s = run.data.get("summary") or {}
-    return (s.get("status") or run.data.get("status") or "complete") in ("complete", "items_failed")
-
 
 def observation_section(runs, out: Path) -> str:
     """observation.md|csv and observation/<run>/observation_fig*.png for every task=observation run; the
     Markdown (empty when there is none)."""
     out = Path(out)
-    _clean(out, OBS_FILES, "observation")
+    clean(out, OBS_FILES, ("observation",))
     rows = []
-    for run in runs:
-        if run.task != "observation" or not _complete(run):
-            continue
+    for run in finished(runs, "observation"):
         s = run.data.get("summary") or {}
         p = s.get("parameters") or {}
         task = (run.data.get("config") or {}).get("task") or {}
@@ -190,10 +155,10 @@ def observation_section(runs, out: Path) -> str:
     headers = ["Model", "Source", "w / N / G", "θ / p", "Prompts", "Last window", "First window", "Last, layer range",
                "Layers best at last", "Fig. 3", "Fig. 4 (windows / responses)", "Fig. 5 (end / begin)", "Random"]
     body = [[r["model"], r["source"], f"{r['window_tokens']} / {r['prompt_windows']} / {r['generation']}",
-             f"{r['theta']} / {r['rate_p']}", r["prompts"], _fmt(r["last_window_mean"]), _fmt(r["first_window_mean"]),
-             f"{_fmt(r['last_window_min'])}–{_fmt(r['last_window_max'])}", f"{r['layers_best_at_last']} of {r['layers']}",
-             _fmt(r["fig3_mean"]), f"{_fmt(r['fig4_mean'])} / {_fmt(r['fig4_generation_mean'])}",
-             f"{_fmt(r['fig5_end'])} / {_fmt(r['fig5_begin'])}", _fmt(r["chance"])] for r in rows]
+             f"{r['theta']} / {r['rate_p']}", r["prompts"], _fmt3(r["last_window_mean"]), _fmt3(r["first_window_mean"]),
+             f"{_fmt3(r['last_window_min'])}–{_fmt3(r['last_window_max'])}", f"{r['layers_best_at_last']} of {r['layers']}",
+             _fmt3(r["fig3_mean"]), f"{_fmt3(r['fig4_mean'])} / {_fmt3(r['fig4_generation_mean'])}",
+             f"{_fmt3(r['fig5_end'])} / {_fmt3(r['fig5_begin'])}", _fmt3(r["chance"])] for r in rows]
     lines = ["## Observation experiments (SnapKV Figures 2-5)", "", markdown_table(headers, body), "",
              "- Hit rate (the paper's Eq. 8): of the prefix positions a generated query attends to above θ, the share a "
              "window's top-p selection holds; means over layers, generated queries and prompts (per-layer arrays in "
@@ -209,77 +174,11 @@ def observation_section(runs, out: Path) -> str:
     return md
 
 
-def _lines_setting(method: dict) -> str:
-    name = method.get("name", "?")
-    if name == "full":
-        return "All KV"
-    budget = method.get("budget")
-    if budget is None and method.get("ratio") is not None:
-        budget = f"ratio {method['ratio']:g}" if isinstance(method["ratio"], (int, float)) else f"ratio {method['ratio']}"
-    if name == "snapkv":
-        k = method.get("kernel_size")
-        pool = "no pooling" if k == 1 else f"{method.get('pooling')} k{k}"
-        return f"SnapKV {budget} (W{method.get('window_size')}, {pool})"
-    return f"{name} {budget if budget is not None else ''}".strip()
-
-
-def lines_section(runs, out: Path) -> str:
-    """lines.md|csv and lines/<run>.png for every task=lines run, with the pooling ablation (SnapKV runs that
-    differ only in kernel_size 1 vs more) side by side; the Markdown (empty when there is none)."""
-    out = Path(out)
-    _clean(out, LINES_FILES, "lines")
-    rows = []
-    for run in runs:
-        if run.task != "lines" or not _complete(run):
-            continue
-        cells = [r for r in (run.data.get("rows") or []) if "length" in r and "score" in r]
-        if not cells:
-            continue
-        s = run.data.get("summary") or {}
-        method = run.data.get("method") or {}
-        (out / "lines").mkdir(parents=True, exist_ok=True)
-        setting = _lines_setting(method)
-        png = lines_heatmap(cells, out / "lines" / f"{_safe(run.rel)}.png", title=f"{run.model.get('name', '?')} · {setting}")
-        lengths = sorted({int(c["length"]) for c in cells})
-        rows.append({"model": run.model.get("name"), "setting": setting, "method_tag": run.data.get("method_tag"),
-                     "kernel_size": method.get("kernel_size"), "cells": len(cells), "accuracy": s.get("accuracy"),
-                     "contains_rate": s.get("contains_rate"), "lengths": f"{lengths[0]}-{lengths[-1]}",
-                     "by_length": s.get("by_length"), "device": run.device,
-                     "heatmap": str(png.relative_to(out)) if png else None, "run": run.rel, "_method": method})
-        run.used_in.append("lines")
-    if not rows:
-        return ""
-    write_csv(out / "lines.csv", rows, ["model", "setting", "method_tag", "kernel_size", "cells", "accuracy", "contains_rate",
-                                         "lengths", "device", "heatmap", "run"])
-    all_lengths = sorted({int(n) for r in rows for n in (r["by_length"] or {})})
-    headers = ["Model", "Setting", "Records", "Exact match", *[str(n) for n in all_lengths]]
-    body = [[r["model"], r["setting"], r["cells"], _fmt(r["accuracy"]),
-             *[_fmt((r["by_length"] or {}).get(str(n))) for n in all_lengths]] for r in rows]
-    lines = ["## LongEval-Lines (SnapKV Figure 8: pooling ablation)", "", markdown_table(headers, body), "",
-             "- Exact match: the last number of the response equals the asked line's value (LongEval's rule); per prompt "
-             "length in tokens, averaged over ground-truth positions."]
-    ablation = []
-    for a in rows:
-        ma = a["_method"]
-        if ma.get("name") != "snapkv" or (ma.get("kernel_size") or 0) <= 1:
-            continue
-        for b in rows:
-            mb = b["_method"]
-            same = {k: v for k, v in ma.items() if k not in ("kernel_size", "tag")} == {k: v for k, v in mb.items() if k not in ("kernel_size", "tag")}
-            if b is not a and mb.get("kernel_size") == 1 and same and a["model"] == b["model"]:
-                ablation.append([a["model"], f"W{ma.get('window_size')} C{ma.get('budget')}", f"{ma.get('pooling')} k{ma.get('kernel_size')}",
-                                 _fmt(a["accuracy"]), _fmt(b["accuracy"]),
-                                 _fmt(None if a["accuracy"] is None or b["accuracy"] is None else round(a["accuracy"] - b["accuracy"], 4))])
-    if ablation:
-        lines += ["", "Pooling ablation (same model and SnapKV settings, kernel > 1 vs kernel 1):", "",
-                  markdown_table(["Model", "SnapKV", "Pooling", "With pooling", "Without", "Difference"], ablation)]
-    lines += [""] + [f"- `{r['run']}`: ![heatmap]({r['heatmap']})" for r in rows if r["heatmap"]]
-    md = "\n".join(lines) + "\n"
-    (out / "lines.md").write_text(md, encoding="utf-8")
-    return md
-
-
 def report_sections(runs, out: Path) -> list[tuple[str, str]]:
-    """[(file name, Markdown)] of the sections that have runs: what harness.report appends to its README."""
-    found = [("observation.md", observation_section(runs, out)), ("lines.md", lines_section(runs, out))]
-    return [(name, md) for name, md in found if md]
+    """[("observation.md", Markdown)] when there are observation runs, else []."""
+    md = observation_section(runs, out)
+    return [("observation.md", md)] if md else []
+
+
+def tables(runs, out: Path, options) -> Tables:
+    return Tables(report_sections(runs, out))

@@ -33,16 +33,16 @@ from omegaconf import DictConfig
 from harness.errors import require
 from harness.models import LoadedModel
 from harness.tasks import contract
-from harness.tasks.common import Prompt
+from harness.generation.prompt import Prompt
 from harness.tasks.contract import Built, GenerationTask
-from harness.tasks.longbench_data import question_start
+from harness.tasks.longbench.data import question_start
 
 log = logging.getLogger(__name__)
 # Protocol options this task applies (harness.app refuses them for a task that does not list them).
 PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
 # Options that only choose which items run: a run directory takes another grid and reuses its items.
 GRID_KEYS = ("lengths", "positions", "samples")
-WORDS_DIR = Path(__file__).resolve().parents[1] / "data" / "lines"  # shipped as package data
+WORDS_DIR = Path(__file__).resolve().parents[2] / "data" / "lines"  # shipped as package data
 LOG_FILE = "lines_cells.jsonl"
 
 
@@ -204,13 +204,13 @@ class LinesTask(GenerationTask):
         return summarize(rows, self.lengths, self.positions)
 
     def finish(self, setting, rows: list[dict], summary: dict) -> None:
-        from harness.report_figures import lines_heatmap
+        from harness.tasks.lines.report import lines_heatmap
 
         lines_heatmap(rows, setting.run_dir.path / "lines_heatmap.png", title=f"{self.loaded.name} · {setting.tag}")
 
 
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
-    """Every cell for every setting (harness.tasks.common.Setting), one prefill per cell: the pooling
+    """Every cell for every setting (harness.generation.prompt.Setting), one prefill per cell: the pooling
     ablation's two SnapKV settings (and the full cache) decode from the same prefill (contract.run)."""
     return contract.run(LinesTask(cfg, loaded), settings, progress=progress)
 

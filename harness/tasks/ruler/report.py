@@ -2,9 +2,9 @@
 the paired difference to `full` with its bootstrap interval), and the leaderboard's picture (the
 RULER average vs the compression ratio, one line per method).
 
-`harness.report` calls `ruler_sections(runs, out)`; the section owns `ruler.md`, `ruler.csv`,
+`python -m harness.report` calls `tables(runs, out, options)` (`ruler_sections`); the section owns `ruler.md`, `ruler.csv`,
 `ruler_paired.csv` and `ruler/` in the table set and removes them before writing. Pairing follows
-harness/paired.py: runs pair when `pair_key` is equal (same model, task settings, protocol, seed: the
+harness/results.py: runs pair when `pair_key` is equal (same model, task settings, protocol, seed: the
 two protocols never merge); samples are matched by (task, length, index); a task's difference is the
 mean over its paired samples of (setting - full) in RULER points, the average's is the unweighted
 mean of the task differences, its interval resampling samples within each task (harness.stats).
@@ -13,14 +13,15 @@ mean of the task differences, its interval resampling samples within each task (
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
-from harness.paired import MIN_INTERVAL_ITEMS, method_name, pair_key
-from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, stratified_bootstrap_ci
+from harness.results import method_name, pair_key
+from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, MIN_INTERVAL_ITEMS, stratified_bootstrap_ci
+from harness.tables import Tables, _safe, clean, markdown_table, method_setting, write_csv
 
 RULER_FILES = ("ruler.md", "ruler.csv", "ruler_paired.csv")
 RULER_DIR = "ruler"
+OUTPUT_FILES, OUTPUT_DIRS = RULER_FILES, (RULER_DIR,)
 TASK_ORDER = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
               "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
 SHORT = {"niah_single_1": "S1", "niah_single_2": "S2", "niah_single_3": "S3", "niah_multikey_1": "MK1",
@@ -88,8 +89,6 @@ def _delta_text(d) -> str:
 
 def ruler_rows(runs, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> tuple[list[dict], list[dict]]:
     """(table rows: one per run and length; paired rows: one per run, length and task/average)."""
-    from harness.report import method_setting
-
     mine = [r for r in runs if r.task == "ruler" and isinstance((r.data.get("summary") or {}).get("by_length"), dict)]
     groups: dict[str, list] = {}
     for run in mine:
@@ -158,14 +157,8 @@ def ratio_figure(rows: list[dict], path: Path, title: str) -> None:
 
 def ruler_sections(runs, out: Path, *, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> list[tuple[str, str]]:
     """[("ruler.md", Markdown)] when there are RULER runs (else []); writes ruler.md|csv, ruler_paired.csv, ruler/*.png."""
-    from harness.report import _safe, markdown_table, write_csv
-
     out = Path(out)
-    for name in RULER_FILES:
-        if (out / name).is_file():
-            (out / name).unlink()
-    if (out / RULER_DIR).is_dir():
-        shutil.rmtree(out / RULER_DIR)
+    clean(out, RULER_FILES, (RULER_DIR,))
     rows, paired_rows = ruler_rows(runs, resamples, seed)
     if not rows:
         return []
@@ -204,3 +197,7 @@ def ruler_sections(runs, out: Path, *, resamples: int = DEFAULT_RESAMPLES, seed:
     text = "\n".join(md) + "\n"
     (out / "ruler.md").write_text(text, encoding="utf-8")
     return [("ruler.md", text)]
+
+
+def tables(runs, out: Path, options) -> Tables:
+    return Tables(ruler_sections(runs, out, resamples=options.resamples, seed=options.seed))

@@ -1,4 +1,4 @@
-"""One efficiency measurement, and the worker process that serves them (`python -m harness.tasks.bench_worker`).
+"""One efficiency measurement, and the worker process that serves them (`python -m harness.tasks.bench.worker`).
 
 A measurement is one greedy generation of `decode_tokens` tokens (EOS disabled) after a prefill of a
 random-token prompt of `length` tokens, batch `batch_size`, under one compression method. It
@@ -496,7 +496,7 @@ class WorkerCore:
     def __init__(self, init: dict, loaded=None):
         from omegaconf import OmegaConf
 
-        from harness.app import seed_everything
+        from harness.seeding import seed_everything
         from harness.models import load_model
 
         self.init = init

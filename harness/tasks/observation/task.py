@@ -74,7 +74,7 @@ from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
-from harness.tasks.common import run_items
+from harness.tasks.contract import run_items
 
 log = logging.getLogger(__name__)
 SOURCES = ("haystack", "longbench", "folder")
@@ -426,7 +426,7 @@ def validate(task: DictConfig) -> None:
     require(positions and all(x in POSITIONS for x in positions) and len(set(positions)) == len(positions),
             f"task.positions={positions} must be a non-empty subset of {list(POSITIONS)}")
     if task.source == "haystack":
-        from harness.tasks.needle import haystack_files
+        from harness.tasks.needle.task import haystack_files
 
         require(len(task.lengths) > 0, "task.lengths is empty; give at least one prompt length")
         for n in task.lengths:
@@ -443,7 +443,7 @@ def validate(task: DictConfig) -> None:
         require(task.folder, "task.source=folder needs task.folder=<folder of .txt documents>")
         folder_documents(task)
     else:
-        from harness.tasks.longbench_data import data_source, file_stem, load_rows
+        from harness.tasks.longbench.data import data_source, file_stem, load_rows
 
         require(task.dataset, "task.source=longbench needs task.dataset (e.g. qmsum)")
         load_rows(data_source(task), file_stem("longbench", str(task.dataset)))
@@ -547,8 +547,8 @@ def haystack_documents(task: DictConfig, loaded: LoadedModel) -> list[Document]:
     point on the original slice, walked back to a sentence-final period token), so that the document is
     the same for every question; its length makes the longest prompt exactly `length` tokens. The record's
     meta holds each needle's token index in the document and its actual depth (`needle_depth_actual`)."""
-    from harness.tasks.needle import haystack_files
-    from harness.tasks.needle_prompt import DEPTH_TOLERANCE, PeriodRule, place_needles
+    from harness.tasks.needle.task import haystack_files
+    from harness.tasks.needle.prompt import DEPTH_TOLERANCE, PeriodRule, place_needles
 
     tok = loaded.tokenizer
     suffix = str(task.get("instruction_suffix") or "")
@@ -592,7 +592,7 @@ def text_documents(task: DictConfig, loaded: LoadedModel, items: list[tuple[str,
 
 def longbench_items(task: DictConfig) -> list[tuple[str, str, list[tuple[str, str | None]]]]:
     """Rows of the LongBench dataset grouped by context (file order): (id, context, [(input, first answer)])."""
-    from harness.tasks.longbench_data import data_source, file_stem, load_rows
+    from harness.tasks.longbench.data import data_source, file_stem, load_rows
 
     rows = load_rows(data_source(task), file_stem("longbench", str(task.dataset)))
     groups: dict[str, list[dict]] = {}
@@ -769,7 +769,7 @@ def observe(cfg: DictConfig, loaded: LoadedModel, run_dir, progress: bool = True
     records = [doc_log.records[(d.id,)] for d in docs if (d.id,) in doc_log.records]
     summary = summarize(records, params, num_layers, primary)
     summary["failed_documents"] = len(outcome.failures)
-    from harness.report_figures import observation_figures
+    from harness.tasks.observation.report import observation_figures
 
     figures = observation_figures(summary, run_dir.path, title=f"{loaded.name} · {task.source}")
     summary["figures"] = [p.name for p in figures]

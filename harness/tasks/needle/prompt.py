@@ -7,7 +7,7 @@ at `depth` percent of the context by the original rule: at `point = int(len(cont
 walk back to just after the previous sentence-final period token (depth 100 appends at the end).
 `place_needles` is that rule for one or several needles, with the placement check below: the one
 placement function of every task that inserts token ids into a haystack (needle, observation). RULER places its
-needles in text by sentence index, as RULER does, and tokenizes once (harness/tasks/ruler.py).
+needles in text by sentence index, as RULER does, and tokenizes once (harness/tasks/ruler/task.py).
 
 Period tokens (`is_period_token`): a token is a sentence-final period when its decoded text, with
 whitespace stripped, ends with "." and holds no letter or digit. That is the rule for the ids the

@@ -32,9 +32,10 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
 from harness.tasks import contract
-from harness.tasks.common import Prompt, Question
+from harness.generation.prompt import Prompt, Question
+from harness.tables import _mean
 from harness.tasks.contract import Built, GenerationTask
-from harness.tasks.ruler_data import ALL_TASKS, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper, qa_files, QA_FILES
+from harness.tasks.ruler.data import ALL_TASKS, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper, qa_files, QA_FILES
 from metrics.ruler import metric_for, postprocess_pred, sample_score
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,8 @@ def questions_per_sample(name: str, one_key: bool) -> int:
 
 
 def essay_text(task: DictConfig) -> str:
-    """The essays in sorted file order, no separator (as harness/tasks/needle.py reads them)."""
-    from harness.tasks.needle import haystack_files
+    """The essays in sorted file order, no separator (as harness/tasks/needle/task.py reads them)."""
+    from harness.tasks.needle.task import haystack_files
 
     return "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
 
@@ -217,7 +218,7 @@ class RulerTask(GenerationTask):
 
 def ruler_table(summary: dict, title: str) -> str:
     """The setting's RULER table: one row per length, each task's score (0-100) and RULER's average."""
-    from harness.report_ruler import SHORT
+    from harness.tasks.ruler.report import SHORT
 
     names = list(summary["tasks"])
     head = f"| Length | {' | '.join(SHORT.get(n, n) for n in names)} | Avg. |"
@@ -236,11 +237,6 @@ def ruler_table(summary: dict, title: str) -> str:
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
     """Every (task, length, sample) for every setting, one prefill per sample (contract.run)."""
     return contract.run(RulerTask(cfg, loaded), settings, progress=progress)
-
-
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return round(sum(values) / len(values), 4) if values else None
 
 
 def task_score(name: str, rows: list[dict]) -> float | None:

@@ -17,9 +17,10 @@ from omegaconf import DictConfig
 
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel, find_package_file
-from harness.tasks.needle_prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
+from harness.tasks.needle.prompt import PROMPT_STYLES, NeedleCell, PromptParts, build_cell, insert_needle, prompt_parts  # noqa: F401
 from harness.tasks import contract
-from harness.tasks.common import Prompt, Question
+from harness.generation.prompt import Prompt, Question
+from harness.tables import _mean
 from harness.tasks.contract import Built, GenerationTask
 from metrics.needle import score_needle_response
 
@@ -45,6 +46,12 @@ def validate(task: DictConfig) -> None:
     require(not (batch and batch > 1 and task.get("keep_answers", False)),
             "task.batch_size > 1 with task.keep_answers=true: multi-turn conversations run one cell at a time; drop one of them")
     haystack_files(task)
+
+
+def haystack_ids(task: DictConfig, tokenizer) -> list[int]:
+    """The haystack's tokens: every file of the task's haystack, read as one text, tokenized once."""
+    text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def haystack_files(task: DictConfig) -> list[Path]:
@@ -80,8 +87,7 @@ class NeedleTask(GenerationTask):
             grown = max(self.lengths) + sum(len(f.suffix) + int(task.max_new_tokens) for f, _ in self.facts)
             require(grown <= loaded.max_positions, f"task.keep_answers=true: {self.needles} questions and answers after a "
                                                    f"{max(self.lengths)}-token prompt reach {grown} positions, past {loaded.name}'s {loaded.max_positions}")
-        text = "".join(p.read_text(encoding="utf-8", errors="replace") for p in haystack_files(task))
-        haystack = loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        haystack = haystack_ids(task, loaded.tokenizer)
         passes = math.ceil(max(self.lengths) / len(haystack))
         self.haystack = haystack * passes  # repeated as the original does, as tokens: no re-tokenization per cell
         log.info("needle: haystack %d tokens x %d, grid %d lengths x %d depths, %s",
@@ -148,7 +154,7 @@ class NeedleTask(GenerationTask):
 
 
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
-    """Every cell of the grid for every setting (harness.tasks.common.Setting), one prefill per cell (contract.run)."""
+    """Every cell of the grid for every setting (harness.generation.prompt.Setting), one prefill per cell (contract.run)."""
     return contract.run(NeedleTask(cfg, loaded), settings, progress=progress)
 
 
@@ -184,11 +190,6 @@ def summarize(rows: list[dict], lengths: list[int], depths: list[float]) -> dict
         "mean_needle_kept": mean(r["needle_kept"] for r in rows if r.get("needle_kept") is not None),
         "mean_question_kept": mean(r["question_kept"] for r in rows if r.get("question_kept") is not None),
     }
-
-
-def _mean(values):
-    values = list(values)
-    return round(sum(values) / len(values), 4) if values else None
 
 
 # --------------------------------------------------------------------------- several needles (task.needles = K)
@@ -245,7 +246,7 @@ class NeedlesCell:
 
 def build_needles_cell(haystack: list[int], facts: list[tuple[PromptParts, str]], length: int, depth: float) -> NeedlesCell:
     """The longest question's prompt is exactly `length` tokens (the others a few shorter)."""
-    from harness.tasks.needle_prompt import place_needles
+    from harness.tasks.needle.prompt import place_needles
 
     first = facts[0][0]
     longest = max(len(p.suffix) for p, _ in facts)

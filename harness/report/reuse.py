@@ -1,7 +1,7 @@
 """The reuse gap: what asking a compressed context a question it did not see costs each method.
 
 A method setting run under both protocols on the same items (same model, task, task settings and method
-options; `harness.paired.pair_key` without the protocol) gives, per (item, question), the score with the
+options; `harness.results.pair_key` without the protocol) gives, per (item, question), the score with the
 question inside the compressed prompt (query-aware) and asked after compression (query-agnostic). The gap is
 the mean of (aware - agnostic) over the items both runs finished, with the paired bootstrap interval of
 harness/stats.py (the one paired_deltas uses). `python -m harness.report` writes, through
@@ -22,20 +22,20 @@ within each task). A query-agnostic run with `task.keep_answers=true` (multi-tur
 from __future__ import annotations
 
 import json
-import shutil
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.paired import LONGBENCH_TASKS, _common, _number, _task_order, longbench_items, method_name, pair_key
+from harness.report.paired import grouped, pairings, stratum_pairs
+from harness.results import method_name, pair_key
 from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_mean_ci, stratified_bootstrap_ci
+from harness.tables import _safe, clean, markdown_table, method_setting, write_csv
 
 FILES = ("reuse_gap.md", "reuse_gap.csv")
 FOLDER = "reuse_gap"
 CSV_FIELDS = ["setting", "task", "delta", "ci_low", "ci_high", "n", "model", "method", "turns", "aware_score",
               "agnostic_score", "aware_run", "agnostic_run"]
-NEEDLE, AVERAGE = "needle", "average"
-REUSE_TASKS = ("needle", *LONGBENCH_TASKS)
+AVERAGE = "average"
 
 
 @dataclass
@@ -53,26 +53,13 @@ class GapRow:
     agnostic_score: float
     aware_run: str
     agnostic_run: str
+    digits: int = 2       # decimals in the table (the benchmark's Pairing)
 
     def csv_row(self) -> dict:
         out = dict(self.__dict__)
         for k in ("delta", "ci_low", "ci_high", "aware_score", "agnostic_score"):
             out[k] = round(out[k], 6)
         return out
-
-
-def needle_question_items(run) -> dict[tuple[int, float, int], float]:
-    """{(length, depth, question_index): score} of a needle run's rows (first record wins)."""
-    out: dict = {}
-    for r in run.data.get("rows") or []:
-        if not isinstance(r, dict) or not _number(r.get("score")):
-            continue
-        try:
-            key = (int(r["length"]), float(r["depth"]), int(r.get("question_index", 0)))
-        except (KeyError, TypeError, ValueError):
-            continue
-        out.setdefault(key, float(r["score"]))
-    return out
 
 
 def _keep_answers(run) -> bool:
@@ -105,23 +92,12 @@ def method_description(run) -> dict | None:
     return {**getattr(cls, "added_options", {}), **method} if cls is not None else method
 
 
-def _items(run):
-    if run.task == "needle":
-        return {NEEDLE: needle_question_items(run)}, []
-    return longbench_items(run)
-
-
 def gap_rows(runs, *, n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> tuple[list[GapRow], list[str]]:
     """Rows for every setting with a query-aware and a query-agnostic run on the same items; and notes."""
-    from harness.report import method_setting
-
-    groups: dict[str, list] = {}
-    for run in runs:
-        if run.task in REUSE_TASKS and method_name(run) is not None:
-            groups.setdefault(reuse_key(run), []).append(run)
+    by_task = pairings()
     rows, notes = [], []
-    for key in sorted(groups, key=lambda k: min(r.rel for r in groups[k])):
-        group = sorted(groups[key], key=lambda r: r.rel)
+    for group in grouped([r for r in runs if r.task in by_task and method_name(r) is not None], reuse_key):
+        pairing = by_task[group[0].task]
         aware = [r for r in group if r.protocol == "query_aware"]
         agnostic = [r for r in group if r.protocol == "query_agnostic"]
         if not aware or not agnostic:
@@ -129,22 +105,22 @@ def gap_rows(runs, *, n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_
         if len(aware) > 1:
             notes.append(f"`{agnostic[0].rel}`: {len(aware)} query-aware runs match; paired with `{aware[0].rel}`")
         ref = aware[0]
-        theirs, their_notes = _items(ref)
+        theirs, their_notes = pairing.items(ref)
         notes.extend(f"`{ref.rel}`: {n}" for n in their_notes)
         for run in agnostic:
-            mine, my_notes = _items(run)
+            mine, my_notes = pairing.items(run)
             notes.extend(f"`{run.rel}`: {n}" for n in my_notes)
             common = dict(setting=str(run.data.get("method_tag") or method_name(run)), model=str(run.model.get("name", "?")),
                           method=method_setting(run.data.get("method") or {})[0],
-                          turns="multi-turn" if _keep_answers(run) else "independent", aware_run=ref.rel, agnostic_run=run.rel)
+                          turns="multi-turn" if _keep_answers(run) else "independent", aware_run=ref.rel, agnostic_run=run.rel,
+                          digits=pairing.digits)
             per_task = []
-            for task in sorted(set(mine) & set(theirs), key=_task_order):
-                keys = _common(mine[task], theirs[task])
-                if not keys:
+            for task, pairs in stratum_pairs(mine, theirs, pairing.order):
+                if not pairs:
                     notes.append(f"`{run.rel}`: {task}: no (item, question) in common with `{ref.rel}`")
                     continue
-                a = [theirs[task][k] for k in keys]
-                b = [mine[task][k] for k in keys]
+                b = [x for x, _ in pairs]
+                a = [y for _, y in pairs]
                 per_task.append(([x - y for x, y in zip(a, b)], a, b))
                 ci = bootstrap_mean_ci(per_task[-1][0], n_resamples=n_resamples, seed=seed)
                 rows.append(GapRow(task=task, delta=ci.estimate, ci_low=ci.low, ci_high=ci.high, n=ci.n,
@@ -158,10 +134,6 @@ def gap_rows(runs, *, n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_
                 if "reuse_gap" not in r.used_in and per_task:
                     r.used_in.append("reuse_gap")
     return rows, notes
-
-
-def _safe(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(text))
 
 
 def gap_figure(rows: list[GapRow], path: Path, *, title: str) -> Path:
@@ -198,13 +170,11 @@ def gap_figure(rows: list[GapRow], path: Path, *, title: str) -> Path:
 
 
 def gap_table(rows: list[GapRow], notes: list[str], n_resamples: int, seed: int, figures: list[str]) -> str:
-    from harness.report import markdown_table
-
     headers = ["Model", "Setting", "Turns", "Task", "Query-aware", "Query-agnostic", "Δ aware − agnostic", "95% CI", "n", "",
                "Agnostic run", "Aware run"]
     body = []
     for r in rows:
-        digits = 3 if r.task == NEEDLE else 2
+        digits = r.digits
         body.append([r.model, r.method, r.turns, {AVERAGE: "Avg."}.get(r.task, r.task), f"{r.aware_score:.{digits}f}",
                      f"{r.agnostic_score:.{digits}f}", f"{r.delta:+.{digits}f}", f"[{r.ci_low:+.{digits}f}, {r.ci_high:+.{digits}f}]",
                      r.n, "~ noise" if r.ci_low <= 0.0 <= r.ci_high else "", f"`{r.agnostic_run}`", f"`{r.aware_run}`"])
@@ -226,14 +196,8 @@ def gap_table(rows: list[GapRow], notes: list[str], n_resamples: int, seed: int,
 def reuse_gap_section(runs, out: Path, *, n_resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> list[tuple[str, str]]:
     """Write reuse_gap.md|csv and reuse_gap/*.png into the table set `out` (removing earlier ones first);
     returns [("reuse_gap.md", markdown)] or [] when no setting ran under both protocols."""
-    from harness.report import write_csv
-
     out = Path(out)
-    for name in FILES:
-        if (out / name).is_file():
-            (out / name).unlink()
-    if (out / FOLDER).is_dir():
-        shutil.rmtree(out / FOLDER)
+    clean(out, FILES, (FOLDER,))
     rows, notes = gap_rows(runs, n_resamples=n_resamples, seed=seed)
     if not rows:
         return []

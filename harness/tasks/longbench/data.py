@@ -30,6 +30,16 @@ from metrics.longbench import CODE_SIM_BACKENDS
 from metrics.longbench_config import load_dataset2maxlen, load_dataset2prompt
 from metrics.longbench_tasks import LONGBENCH_ALL_TASKS, LONGBENCH_E_TASKS, LONGBENCH_EN_TASKS
 
+# Column headers of the papers' LongBench tables (SnapKV, PyramidKV, ...).
+SHORT_NAMES = {
+    "narrativeqa": "NrtvQA", "qasper": "Qasper", "multifieldqa_en": "MF-en", "hotpotqa": "HotpotQA",
+    "2wikimqa": "2WikiMQA", "musique": "Musique", "gov_report": "GovReport", "qmsum": "QMSum",
+    "multi_news": "MultiNews", "trec": "TREC", "triviaqa": "TriviaQA", "samsum": "SAMSum",
+    "passage_count": "PCount", "passage_retrieval_en": "PRe", "lcc": "Lcc", "repobench-p": "RB-P",
+    "multifieldqa_zh": "MF-zh", "dureader": "DuReader", "vcsum": "VCSum", "lsht": "LSHT",
+    "passage_retrieval_zh": "PRe-zh",
+}
+
 # pred.py: "chat models are better off without build prompts on these tasks".
 RAW_TASKS: tuple[str, ...] = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
 
