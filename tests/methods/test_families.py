@@ -19,7 +19,7 @@ from tiny_models import family_model
 
 from harness.errors import HarnessError
 from harness.methods import build_method, compression
-from harness.methods.snapkv import window_attention
+from harness.methods.attention import window_attention
 from harness.generation.generate import generate_settings
 from harness.generation.prompt import Prompt, Question
 
@@ -170,7 +170,7 @@ def test_scores_are_the_models_own_attention_weights(family, overrides, prepare)
     import sys
 
     from harness.methods.engine import attention_modules, attention_probe
-    from harness.methods.h2o import accumulated_attention
+    from harness.methods.attention import accumulated_attention
     from harness.methods.layout import model_layout
 
     model = family_model(family, **overrides)
