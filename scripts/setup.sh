@@ -18,6 +18,17 @@ vocab_dir="$cache/vocab"
 vocab_files=(ggml-vocab-llama-spm.gguf ggml-vocab-llama-bpe.gguf ggml-vocab-qwen2.gguf ggml-vocab-command-r.gguf)
 vocab_ok() { for f in "${vocab_files[@]}"; do [ -s "$vocab_dir/$f" ] || return 1; done; }
 
+# Headless Chromium for the report page's browser test (tests/test_report_html.py): Debian's packages, where apt
+# is available and we may install (root); otherwise that test skips and says why. Nothing happens when present.
+if ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; }; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    { DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends chromium chromium-driver >/dev/null; } || echo "setup: chromium not installed (the browser test will skip)"
+  else
+    echo "setup: no apt-get as root: chromium not installed (the browser test will skip)"
+  fi
+fi
+
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && vocab_ok && "$venv/bin/python" -c "import harness, torch, transformers" 2>/dev/null; then
   echo "setup: .venv is up to date"
   exit 0

@@ -1,6 +1,6 @@
 """Result tables people can quote, from every run under a folder.
 
-    python -m harness.report <results folder> [--name NAME] [--out results/]
+    python -m harness.report <results folder> [--name NAME] [--out results/] [--html] [--format kvpress]
 
 Collects every `results.json` under the folder (recursively) and writes `<out>/<name>/`:
 
@@ -15,6 +15,10 @@ Collects every `results.json` under the folder (recursively) and writes `<out>/<
   records (`code`; README.md names every version and the runs that mix them: harness/report/versions.py).
 - `reuse_gap.md|csv`: query-aware minus query-agnostic per setting (harness/report/reuse.py).
 - `README.md`: all the Markdown tables in one page (the benchmarks' sections in registry order, then the cross-task ones).
+- `--html`: `report.html`, one self-contained page (data and script inline, no network) with charts, sortable tables
+  and every item's responses and what each method kept (harness/report/html.py).
+- `--format kvpress`: `leaderboard_kvpress.csv`, kvpress's leaderboard columns (dataset, model, method,
+  compression_ratio, score) plus protocol, the score's interval and the reuse gap.
 
 Rows never merge runs that differ in a recorded rule (chat formatting, first-token guard, code_sim
 backend, GQA handling, truncation budget, item limit, data source, prompt style, device, batch, and the
@@ -45,12 +49,13 @@ from harness.tasks import task_reports
 # Everything `build` writes besides the benchmarks' own files (each report module's OUTPUT_FILES / OUTPUT_DIRS), and
 # removes again before writing: never anything else, so a table set can live next to other files (results/paper/ also
 # holds the paper's own numbers: longbench_table1.csv, paper_claims.csv, SOURCE.md).
-OUTPUT_FILES = ("README.md", "runs.csv", "claims.md", "claims.csv", "paired_deltas.md", "paired_deltas.csv")
+OUTPUT_FILES = ("README.md", "runs.csv", "claims.md", "claims.csv", "paired_deltas.md", "paired_deltas.csv", "report.html",
+                "leaderboard_kvpress.csv")
 OUTPUT_DIRS = ()
 
 
 def build(folder: Path, out: Path, *, paper_table: Path | None = None, claims_file: Path = PAPER_CLAIMS,
-          resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED) -> dict:
+          resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEED, html: bool = False, kvpress: bool = False) -> dict:
     """Collect `folder`, write every table into `out`; returns what was written (for callers and tests)."""
     folder, out = Path(folder), Path(out)
     if not folder.is_dir():
@@ -121,6 +126,10 @@ def build(folder: Path, out: Path, *, paper_table: Path | None = None, claims_fi
         head.append("No LongBench, needle or benchmark results were found.")
     (out / "README.md").write_text("\n".join(head) + "\n" + "\n".join(md for _, md in sections), encoding="utf-8")
     written["sections"] = [name for name, _ in sections]
+    if html or kvpress:  # the browsable page and the leaderboard export (harness/report/html.py)
+        from harness.report.html import write_outputs
+
+        written["sections"] += write_outputs(runs, folder, out, html_page=html, kvpress=kvpress, resamples=resamples, seed=seed)
     return written
 
 
@@ -132,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resamples", type=int, default=DEFAULT_RESAMPLES,
                         help=f"paired bootstrap resamples for paired_deltas (default {DEFAULT_RESAMPLES})")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help=f"bootstrap seed (default {DEFAULT_SEED})")
+    parser.add_argument("--html", action="store_true",
+                        help="also write report.html: one self-contained page (charts, tables, items) that opens offline")
+    parser.add_argument("--format", choices=("markdown", "kvpress"), default="markdown",
+                        help="kvpress: also write leaderboard_kvpress.csv (kvpress's leaderboard columns + protocol, interval, reuse gap)")
     parser.add_argument("--paper-table", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--claims", type=Path, default=PAPER_CLAIMS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -144,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --resamples {args.resamples}: must be a positive number", file=sys.stderr)
         return 2
     written = build(args.folder, target, paper_table=args.paper_table, claims_file=args.claims, resamples=args.resamples,
-                    seed=args.seed)
+                    seed=args.seed, html=args.html, kvpress=args.format == "kvpress")
     print(f"report: {written['runs']} run(s) -> {target}/ ({', '.join(written['sections']) or 'no tables'})")
     return 0
 

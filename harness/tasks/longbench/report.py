@@ -345,3 +345,49 @@ def _task_order(name: str) -> tuple:
 
 PAIRING = Pairing(items=longbench_items, order=_task_order, average=True, digits=2,
                   label=lambda t: SHORT_NAMES[t] if t in LONGBENCH_EN_TASKS else t)
+
+
+# ------------------------------------------------------------------------------------------ report.html
+
+def html_section(runs: list[Run], page) -> dict | None:
+    """report.html's LongBench section (harness/page_blocks.py): the average against the budget per model (band: 95%
+    bootstrap interval, items resampled within each task), the table per category and task; every item of a task."""
+    from harness.page_blocks import budget_of, chart, item_group, method_line, model_of, removed_fraction, rounded, setting_label, strata_interval
+    from harness.results import method_name
+    from metrics.longbench_tasks import TASK_CATEGORIES
+
+    mine = [r for r in runs if isinstance((r.data.get("summary") or {}).get("scores"), dict)]
+    if not mine:
+        return None
+    tasks = sorted({t for r in mine for t in r.data["summary"]["scores"]}, key=_task_order)
+    cats = [c for c in TASK_CATEGORIES if any(c in (r.data["summary"].get("categories") or {}) for r in mine)]
+    points, table = {}, []
+    for run in mine:
+        s = run.data["summary"]
+        per_item, _ = longbench_items(run)
+        lo, hi = strata_interval([list(v.values()) for v in per_item.values()], page.resamples, page.seed)
+        points.setdefault(model_of(run), []).append({"line": method_line(run), "protocol": run.protocol, "x": budget_of(run),
+                                                     "y": s.get("average"), "lo": rounded(lo, 2), "hi": rounded(hi, 2),
+                                                     "run": page.run_ids[run.rel], "full": method_name(run) == "full"})
+        table.append({"run": page.run_ids[run.rel], "cells": [model_of(run), setting_label(run), _protocol_label(run.protocol),
+                                                              *[rounded((s.get("categories") or {}).get(c), 2) for c in cats],
+                                                              *[rounded(s["scores"].get(t), 2) for t in tasks], rounded(s.get("average"), 2)]})
+        page.board.append({"dataset": run.task, "data_dir": None, "model": model_of(run), "run": run, "compression_ratio": removed_fraction(run),
+                           "score": s.get("average"), "ci_low": lo, "ci_high": hi, "n": sum(len(v) for v in per_item.values())})
+        group = item_group(run)
+        for name, scored in per_item.items():
+            for rec in task_predictions(run.path.parent / "pred", name, int(s.get("shards_merged") or 1), (s.get("items") or {}).get(name)):
+                answers = rec.get("answers") or []
+                page.items.add(f"{group}|{run.task}|{name}|{rec.get('index')}|{rec.get('_id')}", f"{run.task} · {model_of(run)} · {name} · item {rec.get('index')}",
+                               page.run_ids[run.rel], rec, response=str(rec.get("pred", "")),
+                               score=rounded(scored.get((int(rec["index"]), str(rec.get("_id")))), 2),
+                               reference=" | ".join(map(str, answers)), targets=[str(a) for a in answers])
+    blocks = [chart(f"LongBench · {model}: average against the budget", "budget (tokens kept per head)", "average (official metrics × 100)",
+                    p, logx=True) for model, p in points.items()]
+    blocks.append({"kind": "table", "id": "longbench", "title": "LongBench per category and task (click a row for its items)",
+                   "columns": [{"name": "Model"}, {"name": "Setting"}, {"name": "Protocol"}, *[{"name": c, "num": True} for c in cats],
+                               *[{"name": SHORT_NAMES.get(t, t), "num": True, "title": t} for t in tasks], {"name": "Avg.", "num": True}],
+                   "rows": table})
+    return {"id": "longbench", "title": "LongBench", "blocks": blocks,
+            "intro": "Official metrics × 100; categories: the mean of their tasks present. Band: 95% bootstrap interval of the "
+                     "average (items resampled within each task)."}

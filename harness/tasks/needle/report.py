@@ -234,3 +234,67 @@ def needle_strata(run) -> tuple[dict, list[str]]:
 
 
 PAIRING = Pairing(items=needle_strata, average=False, digits=3, label=lambda _: "needle mean", unmatched="no needle cell in common")
+
+
+# ------------------------------------------------------------------------------------------ report.html
+
+def _fact(run, question: int) -> tuple[str, str]:
+    """(needle text, answer) of the run's question `question` (task.needle/answer, then task.more_needles)."""
+    task = run.config.get("task") or {}
+    if question == 0:
+        return str(task.get("needle") or ""), str(task.get("answer") or "")
+    more = task.get("more_needles") or []
+    fact = more[question - 1] if question - 1 < len(more) and isinstance(more[question - 1], dict) else {}
+    return str(fact.get("needle") or ""), str(fact.get("answer") or "")
+
+
+def html_section(runs: list[Run], page) -> dict | None:
+    """report.html's needle section (harness/page_blocks.py): mean score against the budget per model (bands: 95%
+    bootstrap interval over the run's cells), score and needle-kept heatmaps per run, every cell an item."""
+    from harness.page_blocks import (budget_of, chart, interval, item_group, method_line, model_of, removed_fraction, rounded,
+                                     setting_label)
+    from harness.results import method_name
+
+    mine = [r for r in runs if needle_items(r)]
+    if not mine:
+        return None
+    points_by_model, maps = {}, []
+    for run in mine:
+        values = list(needle_items(run).values())
+        mean = sum(values) / len(values)
+        lo, hi = interval(values, page.resamples, page.seed)
+        points_by_model.setdefault(model_of(run), []).append(
+            {"line": method_line(run), "protocol": run.protocol, "x": budget_of(run), "y": rounded(mean), "lo": rounded(lo),
+             "hi": rounded(hi), "run": page.run_ids[run.rel], "full": method_name(run) == "full"})
+        page.board.append({"dataset": NEEDLE, "data_dir": (run.data.get("summary") or {}).get("prompt_style"), "model": model_of(run),
+                           "run": run, "compression_ratio": removed_fraction(run), "score": 100 * mean,
+                           "ci_low": None if lo is None else 100 * lo, "ci_high": None if hi is None else 100 * hi, "n": len(values)})
+        group = item_group(run)
+        cells: dict[tuple, dict] = {}
+        for rec in run.data.get("rows") or []:
+            if not isinstance(rec, dict) or "score" not in rec:
+                continue
+            length, depth, q = int(rec["length"]), float(rec["depth"]), int(rec.get("question_index") or 0)
+            needle, answer = _fact(run, q)
+            key = page.items.add(f"{group}|needle|{length}|{depth:g}|{q}",
+                                 f"needle · {model_of(run)} · {length} tokens · depth {depth:g}%" + (f" · question {q}" if rec.get("needles") else ""),
+                                 page.run_ids[run.rel], rec, response=str(rec.get("response", "")), score=rounded(rec.get("score")),
+                                 reference=answer, targets=[needle.strip()])
+            cell = cells.setdefault((length, depth), {"scores": [], "kept": [], "keys": []})
+            cell["scores"].append(float(rec["score"]))
+            if rec.get("needle_kept") is not None:
+                cell["kept"].append(float(rec["needle_kept"]))
+            cell["keys"].append(key)
+        maps.append({"run": page.run_ids[run.rel], "label": setting_label(run), "protocol": _protocol_label(run.protocol),
+                     "model": model_of(run),
+                     "cells": [{"y": n, "x": d, "score": rounded(sum(c["scores"]) / len(c["scores"]), 3),
+                                "kept": rounded(sum(c["kept"]) / len(c["kept"]), 3) if c["kept"] else None, "keys": c["keys"]}
+                               for (n, d), c in sorted(cells.items())]})
+    blocks = [chart(f"Needle · {model}: mean score against the budget", "budget (tokens kept per head)", "mean score (keyword recall)",
+                    points, logx=True) for model, points in points_by_model.items()]
+    blocks.append({"kind": "heatmaps", "title": "Score and needle kept per cell (length × depth): click a cell for its item",
+                   "xlabel": "depth %", "ylabel": "prompt tokens", "maps": maps})
+    return {"id": "needle", "title": "Needle in a haystack", "blocks": blocks,
+            "intro": "Score: keyword recall of the needle's answer (judge-free). Band: 95% bootstrap interval of the mean over "
+                     "the run's cells. Needle kept: the fraction of the needle's tokens still cached after compression "
+                     "(mean over compressed layers and heads)."}

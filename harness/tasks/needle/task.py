@@ -123,10 +123,12 @@ class NeedleTask(GenerationTask):
         length, depth = cell
         response = text.strip()
         b = built.data
+        # task.log_prompts: the exact model input text (the report's per-item view shows it around the needle)
+        logged = {"prompt": self.loaded.tokenizer.decode(built.prompt.asked()[i].ids)} if self.task.get("log_prompts") else {}
         if not self.facts:
             return {"length": length, "depth": depth, "needle_token_index": b.needle_start, "needle_depth_actual": b.depth_actual,
-                    **self.fixed, "response": response, **score_needle_response(response, self.task.answer)}
-        out = {"length": length, "depth": depth, "needles": len(self.facts), "needle_depth": b.depths[i],
+                    **self.fixed, "response": response, **score_needle_response(response, self.task.answer), **logged}
+        out = {**logged, "length": length, "depth": depth, "needles": len(self.facts), "needle_depth": b.depths[i],
                "needle_token_index": b.spans[i][0], "needle_depth_actual": b.depth_actual[i], **self.fixed,
                "response": response, **score_needle_response(response, self.facts[i][1])}
         kept = [answer.diagnostics.get(f"needle_{j}_kept") for j in range(len(self.facts))]

@@ -15,9 +15,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from harness.page_blocks import removed_fraction
 from harness.results import method_name, pair_key
 from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, MIN_INTERVAL_ITEMS, stratified_bootstrap_ci
-from harness.tables import Tables, _safe, clean, markdown_table, method_setting, write_csv
+from harness.tables import Tables, _protocol_label, _safe, clean, markdown_table, method_setting, write_csv
 
 RULER_FILES = ("ruler.md", "ruler.csv", "ruler_paired.csv")
 RULER_DIR = "ruler"
@@ -33,31 +34,6 @@ def _items(run) -> dict[tuple, float]:
     """(task, length, index) -> the sample's RULER score (0-100)."""
     return {(r["task"], int(r["length"]), int(r["index"])): float(r["score"])
             for r in run.data.get("rows") or [] if isinstance(r, dict) and "score" in r and "task" in r}
-
-
-def removed_fraction(run) -> float | None:
-    """kvpress's compression ratio: the fraction of the compressed part's KV entries removed (0 for full),
-    from each sample's resolved budget and its compressed length (the whole prompt query-aware, the
-    context query-agnostic). A method with one budget over every layer and head (KVzip) records no
-    per-head budget; its `ratio` is by construction the fraction of all the compressed part's entries
-    kept, so 1 - ratio. None when neither says."""
-    if method_name(run) == "full":
-        return 0.0
-    shares = []
-    for r in run.data.get("rows") or []:
-        budget = r.get("budget_tokens")
-        end = r.get("prompt_tokens") if run.protocol == "query_aware" else r.get("question_start")
-        if isinstance(budget, (int, float)) and end:
-            shares.append(min(1.0, budget / end))
-    if shares:
-        return round(1 - sum(shares) / len(shares), 4)
-    from harness.methods import METHODS
-
-    method = run.data.get("method") or {}
-    one_budget = getattr(METHODS.get(method.get("name")), "GLOBAL_BUDGET", False)
-    if one_budget and isinstance(method.get("ratio"), (int, float)):
-        return round(1 - float(method["ratio"]), 4)
-    return None
 
 
 def paired(run, full, length: int, tasks: list[str], resamples: int, seed: int) -> dict:
@@ -201,3 +177,79 @@ def ruler_sections(runs, out: Path, *, resamples: int = DEFAULT_RESAMPLES, seed:
 
 def tables(runs, out: Path, options) -> Tables:
     return Tables(ruler_sections(runs, out, resamples=options.resamples, seed=options.seed))
+
+
+# ------------------------------------------------------------------------------------------ report.html
+
+def html_section(runs, page) -> dict | None:
+    """report.html's RULER section (harness/page_blocks.py): per model and length, the score against kvpress's
+    compression ratio (every line starts at the full cache, x = 0; a select draws one task instead of the average),
+    and the per-task table with the paired difference to full; each task column's samples are items."""
+    from harness.page_blocks import chart, interval, item_group, method_line, rounded, strata_interval
+
+    mine = [r for r in runs if isinstance((r.data.get("summary") or {}).get("by_length"), dict)]
+    if not mine:
+        return None
+    rows, _ = ruler_rows(mine, page.resamples, page.seed)
+    by_rel = {r.rel: r for r in mine}
+    blocks = []
+    keyed: dict[tuple, list] = {}
+    for row in rows:
+        keyed.setdefault((row["model"], row["length"]), []).append(row)
+    for (model, length), group in sorted(keyed.items()):
+        tasks = [t for t in TASK_ORDER if any(r.get(t) is not None for r in group)]
+        points, variants, col_items, table = [], {t: [] for t in tasks}, {}, []
+        for row in sorted(group, key=lambda r: (r["protocol"], r["method"] != "full", str(r["method"]), r["removed"] or 0)):
+            run = by_rel[row["run"]]
+            scores = _items(run)
+            per_task = {t: [s for (name, n, _), s in scores.items() if name == t and n == length] for t in tasks}
+            lo, hi = strata_interval([v for v in per_task.values() if v], page.resamples, page.seed)
+            full = row["method"] == "full"
+            base = {"line": method_line(run), "protocol": run.protocol, "run": page.run_ids[run.rel], "full": full,
+                    "x": 0.0 if full else row["removed"]}
+            points.append({**base, "y": row["average"], "lo": rounded(lo), "hi": rounded(hi)})
+            for t in tasks:
+                tlo, thi = interval(per_task[t], page.resamples, page.seed)
+                variants[t].append({**base, "y": row.get(t), "lo": rounded(tlo), "hi": rounded(thi)})
+            delta = row["delta_average"]
+            table.append({"run": page.run_ids[run.rel],
+                          "cells": [row["setting"], _protocol_label(row["protocol"]), rounded(row["removed"], 3),
+                                    *[rounded(row.get(t), 2) for t in tasks], rounded(row["average"], 2),
+                                    *([rounded(d, 2) for d in delta[:3]] + [delta[3]] if delta else [None] * 4)]})
+            page.board.append({"dataset": "ruler", "data_dir": str(length), "model": model, "run": run, "compression_ratio": row["removed"],
+                               "score": row["average"], "ci_low": lo, "ci_high": hi, "n": sum(len(v) for v in per_task.values())})
+            group_key = item_group(run)
+            for rec in run.data.get("rows") or []:
+                if not isinstance(rec, dict) or "score" not in rec or int(rec.get("length", -1)) != length:
+                    continue
+                q, refs = int(rec.get("question_index") or 0), rec.get("references") or []
+                key = page.items.add(f"{group_key}|ruler|{rec['task']}|{length}|{rec['index']}|{q}",
+                                     f"RULER · {model} · {rec['task']} · {length} tokens · sample {rec['index']}" + (f" · key {q}" if q else ""),
+                                     page.run_ids[run.rel], rec, response=str(rec.get("response", "")), score=rounded(rec.get("score"), 2),
+                                     reference=" | ".join(map(str, refs)), targets=[str(x) for x in refs])
+                if rec["task"] in tasks and key not in col_items.setdefault(3 + tasks.index(rec["task"]), []):
+                    col_items[3 + tasks.index(rec["task"])].append(key)
+        per_task_charts = {f"{t} ({SHORT.get(t, t)})": chart("", "", "", _from_full(v)) for t, v in variants.items()}
+        blocks.append(chart(f"RULER · {model} · {length} tokens: score against the compression ratio",
+                            "compression ratio (fraction of the compressed part's KV removed)", "RULER score (0-100)", _from_full(points),
+                            xmin=0.0, variants={"average": None, **{k: {"series": c["series"], "hlines": c["hlines"]}
+                                                                    for k, c in per_task_charts.items()}}))
+        blocks.append({"kind": "table", "id": f"ruler-{length}", "title": f"RULER per task · {model} · {length} tokens "
+                       "(click a task's score for its samples, a setting for all its items)",
+                       "columns": [{"name": "Setting"}, {"name": "Protocol"}, {"name": "Removed", "num": True},
+                                   *[{"name": SHORT.get(t, t), "num": True, "title": t} for t in tasks],
+                                   {"name": "Avg.", "num": True}, {"name": "Δ vs full", "num": True}, {"name": "CI low", "num": True},
+                                   {"name": "CI high", "num": True}, {"name": "n", "num": True}],
+                       "rows": table, "colItems": {str(k): v for k, v in col_items.items()}})
+    return {"id": "ruler", "title": "RULER", "blocks": blocks,
+            "intro": "RULER's synthetic tasks, scored by its metrics (0-100); the average is the mean of the task scores. Δ vs full: "
+                     "the paired difference of the average on the same samples with its 95% bootstrap interval (samples resampled "
+                     f"within each task; none under {MIN_INTERVAL_ITEMS} samples a task). The chart's select shows one task instead "
+                     "of the average. Compression ratio: kvpress's, the fraction of the compressed part's KV removed."}
+
+
+def _from_full(points: list[dict]) -> list[dict]:
+    """Each method line starts at the full cache (x = 0) of its protocol, as the leaderboard draws it."""
+    fulls = {p["protocol"]: p for p in points if p["full"]}
+    lines = {(p["line"], p["protocol"]) for p in points if not p["full"]}
+    return points + [{**fulls[proto], "line": line, "full": False, "x": 0.0} for line, proto in lines if proto in fulls]
