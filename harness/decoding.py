@@ -146,6 +146,9 @@ def greedy_decode(
                 active = [active[j] for j in kept]
         start = time.perf_counter()
         logits = forward_tokens(model, cache, next_ids[:, None], positions + t)
+        hook = getattr(cache, "_kvharness_after_step", None)  # decode-time compression (harness/methods/decode_time.py)
+        if hook is not None:
+            hook(cache)
         _sync(model)
         steps.append(time.perf_counter() - start)
     return tokens, steps, stopped

@@ -146,7 +146,8 @@ def test_a_bad_budget_fails_before_a_model_without_known_layers_loads(tmp_path, 
 @pytest.mark.parametrize("args, expected", [
     (["method.budgt=256"], "error: method full has no option 'budgt' (did you mean method.budget?); its options: budget, window_size, ratio"),
     (["method=snapkv", "method.kernel=5"], "error: method snapkv has no option 'kernel' (did you mean method.kernel_size?); "
-                                           "its options: budget, ratio, window_size, kernel_size, pooling, gqa"),
+                                           "its options: budget, ratio, window_size, kernel_size, pooling, gqa, decode_interval, "
+                                           "decode_budget, decode_ratio, decode_queries, rerotate"),
     (["method=snapkv", "method.budget=256"], None),
     (["+method.extra=1"], None),                      # adding a key on purpose: Hydra decides
     (["-m", "method=full,snapkv", "method.budgt=1"], None),  # a sweep: every job reports its own error

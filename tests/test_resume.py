@@ -73,7 +73,7 @@ def _resolved(*overrides):
 
 def test_keys_that_do_not_change_results_are_ignored():
     base = _resolved("method=snapkv")
-    same = _resolved("method=snapkv", "progress=false", "resume=false", "+task.log_prompts=true", "+task.shard.index=1",
+    same = _resolved("method=snapkv", "progress=false", "resume=false", "++task.log_prompts=true", "+task.shard.index=1",
                      "+task.shard.count=4", "model.device_map=auto", "+task.data_dir=/elsewhere")
     assert result_key_differences(base, same) == []
     assert result_key_differences({**base, "hydra": {"run": {"dir": "a"}}}, base) == []

@@ -20,7 +20,9 @@ TASK_ARGS = {
     "lines": (["task=lines", "task.lengths=[320]", "task.positions=[50]", "task.max_new_tokens=3"], "lines_cells.jsonl", "cells"),
     "longbench": (["task=longbench", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'longbench'}", "task.datasets=[trec]",
                    "task.limit=1"], "pred/trec.jsonl", None),
+    "long_answers": (["task=long_answers", "task.keys=[4]", "task.samples=1", "task.tokens_per_key=2"], "long_answers.jsonl", "items"),
 }
+READING_TASKS = ("observation", "perplexity")  # they generate nothing: no question, no protocol option
 COMMON_RECORD = {"protocol", "prompt_tokens", "question_start", "new_tokens", "stopped_by", "prefill_seconds", "decode_seconds",
                  "question_kept"}
 
@@ -36,7 +38,7 @@ def test_every_task_has_the_one_module_shape():
         assert callable(module.validate), name
         generating = [v for v in vars(module).values()
                       if inspect.isclass(v) and issubclass(v, contract.GenerationTask) and v is not contract.GenerationTask]
-        if name == "observation":
+        if name in READING_TASKS:
             assert not generating and getattr(module, "PROTOCOL_OPTIONS", ()) == ()
         else:
             assert generating, name

@@ -172,12 +172,20 @@ class RowsCache(Cache):
     `buffers`: the growing buffers, shared with an earlier RowsCache over the same layers."""
 
     def __init__(self, caches: list[Cache], room: int = 0, buffers: dict | None = None):
+        self.caches = list(caches)  # in row order (decode_time.after_step compresses each setting's own)
         sizes = [int(c.layers[0].keys.shape[0]) for c in caches]
         ends = torch.tensor(sizes).cumsum(0).tolist()
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
         buffers = {} if buffers is None else buffers
         layers = [_RowsLayer(i, [c.layers[i] for c in caches], self.bounds, room, buffers) for i in range(len(caches[0].layers))]
         super().__init__(layers=layers)
+
+    def _kvharness_after_step(self, _batch) -> None:
+        """Between steps: each setting's decode-time compression (harness/methods/decode_time.py), on its own cache."""
+        for cache in self.caches:
+            hook = getattr(cache, "_kvharness_after_step", None)
+            if hook is not None:
+                hook(cache)
 
     def drop_finished(self, finished: list[bool]) -> list[int]:
         """Stop computing the settings whose rows have all finished (`finished`: one flag per current row):
@@ -186,6 +194,7 @@ class RowsCache(Cache):
         if len(keep) == len(self.bounds):
             return list(range(len(finished)))
         rows = [r for s in keep for r in range(*self.bounds[s])]
+        self.caches = [self.caches[s] for s in keep]
         sizes = [self.bounds[s][1] - self.bounds[s][0] for s in keep]
         ends = torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]

@@ -21,6 +21,7 @@ import torch
 from harness.errors import HarnessError, is_out_of_memory
 from harness.generation.diagnostics import compression_diagnostics
 from harness.generation.prompt import Outcome, Prompt, QuestionOutcomes
+from harness.methods import decode_time
 from harness.methods.layout import LAYOUT_REASONS
 from harness.models import LoadedModel
 
@@ -238,9 +239,14 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
                         else:  # the cache itself where nothing is asked after this question, else a rollback copy
                             base = bases[tag] if last or keep_answers else rollback_copy(bases[tag])
                             turns[key] = Turn(base, asking.ids[end:], end)
+                        if decode_time.evictor_of(turns[key].cache) is None:  # decode-time compression (its own per setting)
+                            state = session.states.get(tag)
+                            decode_time.attach(turns[key].cache, method, start=end, model=model,
+                                               kept=None if state is None else {i: r.positions for i, r in state.layers.items()})
                 if numbers_here[-1] in numbers:
                     bases.clear()  # the last answers own their caches: each is freed with its turn
-                generations = _answer(loaded, turns, logits, together=decode_together, **decode)
+                with decode_time.evicting(model, [t.cache for t in turns.values()]):
+                    generations = _answer(loaded, turns, logits, together=decode_together, **decode)
                 for key, per_row in diagnostics.items():
                     gen = generations[key]
                     for b, diag in enumerate(per_row):
@@ -253,6 +259,9 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
                         mine.prefill_seconds += shared_seconds
                         diag["shared_prefill_seconds"] = round(shared_seconds, 4)
                         diag["decoded_with"] = mine.decoded_with
+                        evictor = decode_time.evictor_of(turns[key].cache)
+                        if evictor is not None:
+                            diag.update(evictor.diagnostics())
                         if rows > 1:
                             diag["items_batched"] = rows
                         if first.questions:  # where this question's first token sits (after the earlier turns: multi-turn)

@@ -91,6 +91,9 @@ class CompressionMethod:
     # Options added after results were recorded, with the default that keeps the earlier behaviour: a recorded
     # method description without the option ran that default (reports pair such runs with newer ones).
     added_options: ClassVar[dict] = {}
+    # Decode-time compression (harness/methods/decode_time.py): None compresses at prefill only. Keyword-only, so
+    # it never shifts a subclass's positional fields; built from the `decode_*` options by registry.build_method.
+    decode: object = field(default=None, kw_only=True)
 
     @property
     def compresses(self) -> bool:
@@ -128,8 +131,12 @@ class CompressionMethod:
         return out.keys, out.values
 
     def describe(self, num_layers: int) -> dict:
-        """Everything that defines this run of the method, for results and provenance."""
-        return {"name": self.name, **asdict(self)}
+        """Everything that defines this run of the method, for results and provenance (`decode` only when set:
+        descriptions recorded before decode-time compression existed stay equal)."""
+        out = {"name": self.name, **asdict(self)}
+        if out.get("decode") is None:
+            out.pop("decode", None)
+        return out
 
     @classmethod
     def from_config(cls, options: dict) -> "CompressionMethod":

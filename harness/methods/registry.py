@@ -28,7 +28,7 @@ class _Registry(dict):
 
     MODULES = ("full", "h2o", "pyramidkv", "snapkv", "streamingllm",
                "tova", "knorm", "expected_attention", "keydiff", "lagkv", "observed_attention", "criticalkv", "chunkkv",
-               "adakv", "cake", "kvzip")
+               "adakv", "cake", "kvzip", "rkv")
     _loaded = False
 
     def _load(self) -> None:
@@ -75,6 +75,8 @@ class _Registry(dict):
 METHODS: dict[str, type] = _Registry()
 # Options every method config carries (so a shared override applies to any method of a sweep).
 SHARED_OPTIONS = ("budget", "window_size", "ratio")
+# Decode-time compression options every method config carries, null = off (harness/methods/decode_time.py).
+DECODE_OPTIONS = ("decode_interval", "decode_budget", "decode_ratio", "decode_queries", "rerotate")
 
 
 def register(cls):
@@ -99,6 +101,7 @@ def _plain(value):
 def build_method(cfg):
     """Build a method from its config node (`name` plus the method's own options)."""
     options = {k: _plain(v) for k, v in dict(cfg).items() if k not in ("name", "tag")}
+    decode = {k: options.pop(k) for k in DECODE_OPTIONS if k in options}
     name = cfg["name"] if "name" in cfg else None
     if name not in METHODS:
         raise HarnessError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
@@ -115,7 +118,12 @@ def build_method(cfg):
         # a method takes that only if it says so (WINDOW_FROM_BUDGET)
         raise HarnessError(f"method {name}: method.window_size is null (half of a budget resolved per item) and this method "
                            "needs it in tokens: give method.window_size=<tokens>")
-    return cls.from_config(options)
+    method = cls.from_config(options)
+    if any(v is not None for v in decode.values()):
+        from harness.methods.decode_rule import DecodeRule
+
+        method.decode = DecodeRule.from_options(method, decode)
+    return method
 
 
 def check_budget_or_ratio(budget, ratio, name: str) -> None:
@@ -200,6 +208,15 @@ def protocol_suffix(query_aware) -> str:
     return "" if str(query_aware).lower() != "false" else "_query_agnostic"
 
 
+def decode_tag(interval, budget, ratio, queries, rerotate) -> str:
+    """`${kv.decode_tag:...}`: "" without decode-time compression (tags of earlier runs stay), else
+    `_d<interval>c<budget>` (or `r<ratio>`), `q<queries>` when set, `_rerot` with rerotation."""
+    if interval is None:
+        return ""
+    target = f"r{_number(ratio)}" if ratio is not None else f"c{budget}" if budget is not None else ""
+    return f"_d{interval}{target}" + (f"q{queries}" if queries is not None else "") + ("_rerot" if rerotate else "")
+
+
 RESOLVERS = {
     "kv.protocol_suffix": protocol_suffix,
     "kv.budget": budget_default,
@@ -209,6 +226,7 @@ RESOLVERS = {
     "kv.window_tag": window_tag,
     "kv.streamingllm_rule": streamingllm_rule,
     "kv.unless_default": unless_default,
+    "kv.decode_tag": decode_tag,
 }
 
 
