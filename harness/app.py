@@ -117,13 +117,17 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
     resume = resume_mode(cfg.get("resume", True))
     entries = method_entries(cfg, overrides)
     if writes_run_dir_itself(task):
-        require(entries is None, f"task={cfg.task.name} compares the methods of task.methods itself; "
-                                 "methods= is for the per-method tasks (needle, longbench, ...)")
+        takes_methods = getattr(task, "TAKES_METHODS", False)  # task=plan: the settings it plans
+        require(entries is None or takes_methods, f"task={cfg.task.name} compares the methods of task.methods itself; "
+                                                  "methods= is for the per-method tasks (needle, longbench, ...)")
         run_dir = RunDir(run_path)
         dirs.append(run_dir)
         check_writable(run_path)
         run_dir.lock()
         seed_everything(int(cfg.seed))
+        if takes_methods:
+            configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
+            return task.prepare_and_run(cfg, run_dir, configs)
         return task.prepare_and_run(cfg, run_dir)
 
     configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from harness.memory_plan import values
+
 
 @dataclass
 class Generation:
@@ -120,7 +122,7 @@ def greedy_decode(
             logits = logits.clone()
             logits[:, banned] = float("-inf")
         next_ids = logits.argmax(dim=-1)
-        ids = next_ids.tolist()
+        ids = values(next_ids)  # a planned run (fake tensors, harness/memory_plan.py) has no values to read
         for row, tok in zip(active, ids):
             if done[row]:
                 continue

@@ -15,11 +15,17 @@ def require(condition: bool, message: str) -> None:
         raise HarnessError(message)
 
 
+# How running out of memory reads when it is not a torch.OutOfMemoryError or MemoryError: CUDA's message,
+# torch's CPU allocator ("DefaultCPUAllocator: can't allocate memory"), the C library's ENOMEM text and
+# C++'s std::bad_alloc surfacing through a RuntimeError.
+OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "std::bad_alloc")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """Out of memory on the device or the host (CPU allocators raise a RuntimeError that says so)."""
+    """Out of memory on the device or the host, in any of its forms: the one test, used by the
+    shared-prefill fallback, the per-item failure records and the bench."""
     import torch
 
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
         return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in OOM_MARKERS)

@@ -12,6 +12,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -383,8 +384,8 @@ def load_model(cfg) -> LoadedModel:
         config = build_architecture_config(cfg.architecture)
         config._attn_implementation = attn  # set before construction so every sub-module sees it
         torch.manual_seed(int(cfg.get("seed", 0)))
+        tokenizer = _random_model_tokenizer(cfg, info, int(config.vocab_size))  # refused before the weights are built
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
-        tokenizer = _random_model_tokenizer(cfg, info)
     else:
         location = _pretrained_location(cfg)
         info["location"] = location
@@ -405,7 +406,7 @@ def load_model(cfg) -> LoadedModel:
                 model = AutoModelForCausalLM.from_pretrained(location, **kwargs)
             except (OSError, ValueError) as exc2:
                 raise _hub_error(cfg, exc2) from None
-    if "device_map" not in info and not getattr(model, "hf_device_map", None):
+    if "device_map" not in info and not getattr(model, "hf_device_map", None) and _needs_move(model, device):
         model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -432,6 +433,12 @@ def load_model(cfg) -> LoadedModel:
     )
 
 
+def _needs_move(model, device: torch.device) -> bool:
+    """Whether any parameter or buffer is off `device`. Moving a model already there does nothing, except under
+    fake tensors (harness/memory_plan.py), where `Module.to` tries to swap every parameter and fails."""
+    return any(t.device != device for t in (*model.parameters(), *model.buffers()))
+
+
 def _chat_template_kwargs(cfg) -> dict:
     from omegaconf import DictConfig, OmegaConf
 
@@ -454,15 +461,18 @@ def _stop_strings(cfg) -> list[str]:
     return stops
 
 
-def _random_model_tokenizer(cfg, info: dict):
-    """A tokenizer for a random-weight model: its own from the local cache (or the hub, when it answers),
-    else SmolLM2's (recorded in `info["tokenizer"]`). An unreachable hub costs a few seconds, not retries."""
+def _random_model_tokenizer(cfg, info: dict, vocab_size: int):
+    """A tokenizer for a random-weight model: its own from the local cache (or the hub, when it answers), else
+    its family's real vocabulary from the paper's vocabularies that set-up installs (`family_vocabulary`), else
+    SmolLM2's; recorded in `info["tokenizer"]`. A tokenizer whose ids do not fit the model's embedding is refused
+    in one line, before any work. An unreachable hub costs a few seconds, not retries."""
+    tok, why = None, None
     if cfg.get("path") and cfg.source != "random":
         path = str(cfg.path)
         try:
             tok = _load_tokenizer(path, local_only=True)
         except (OSError, ValueError):
-            tok, why = None, "not in the local cache"
+            why = "not in the local cache"
             reachable, offline = hub_reachable() if cfg.source == "hub" else (False, "")
             if reachable:
                 try:
@@ -473,10 +483,66 @@ def _random_model_tokenizer(cfg, info: dict):
                 why += f" and the hub cannot be reached ({offline})"
         if tok is not None:
             info["tokenizer"] = path
-            return tok
-        log.warning("tokenizer of %s: %s; using SmolLM2's tokenizer", path, why)
-    info["tokenizer"] = EMBEDDED_TOKENIZER
-    return embedded_tokenizer()
+    if tok is None:
+        family = family_vocabulary(str(cfg.architecture.get("model_type")), vocab_size)
+        if family is not None and vocabulary_file(family).is_file():
+            tok, info["tokenizer"] = vocabulary_tokenizer(family), f"{family} ({vocabulary_file(family)})"
+        else:
+            tok, info["tokenizer"] = embedded_tokenizer(), EMBEDDED_TOKENIZER
+        if why is not None:
+            log.warning("tokenizer of %s: %s; using %s", cfg.path, why, info["tokenizer"])
+    ids = len(tok)
+    require(ids <= vocab_size, f"model {cfg.name}: the tokenizer {info['tokenizer']} has {ids} ids but the model's vocabulary "
+            f"has {vocab_size} (model.architecture.vocab_size): its ids would index past the embedding; give the model's "
+            f"own tokenizer (model.path), run `bash scripts/setup.sh` for the paper's vocabularies, or raise vocab_size")
+    info["tokenizer_ids"] = ids
+    return tok
+
+
+# The paper's vocabularies that set-up extracts (vocab-only GGUF files, no weights) and the architectures that use
+# them: (model_type, vocab_size) -> vocabulary. Llama-2's SentencePiece serves LWM, LongChat and the 32,000-id
+# Mistral/Mixtral (same size; Mistral's own SentencePiece differs in its pieces, not in the count).
+VOCABULARIES = ("llama-spm", "llama-bpe", "qwen2", "command-r")
+_FAMILIES = {("llama", 32000): "llama-spm", ("mistral", 32000): "llama-spm", ("mixtral", 32000): "llama-spm",
+             ("llama", 128256): "llama-bpe", ("qwen2", 151936): "qwen2", ("qwen2", 152064): "qwen2",
+             ("qwen3", 151936): "qwen2"}
+
+
+def family_vocabulary(model_type: str, vocab_size: int) -> str | None:
+    return _FAMILIES.get((model_type, int(vocab_size)))
+
+
+def vocabulary_file(name: str) -> Path:
+    require(name in VOCABULARIES, f"unknown vocabulary {name!r}; one of {', '.join(VOCABULARIES)}")
+    return cache_root() / "vocab" / f"ggml-vocab-{name}.gguf"
+
+
+@lru_cache(maxsize=None)
+def vocabulary_tokenizer(name: str):
+    """The tokenizer of one of the paper's vocabularies, from the GGUF set-up extracted. Converting a GGUF
+    vocabulary takes up to ~30 s (BPE merges), so the converted tokenizer is saved once next to it
+    (`vocab/hf/<name>-<size>/`, keyed by the GGUF's size) and later loads take about a second."""
+    from transformers import AutoTokenizer
+
+    gguf = vocabulary_file(name)
+    require(gguf.is_file() and gguf.stat().st_size > 0, f"{gguf} is missing: run `bash scripts/setup.sh` (it extracts the "
+            "paper's vocabularies)")
+    derived = gguf.parent / "hf" / f"{name}-{gguf.stat().st_size}"
+    if (derived / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(derived))
+    if name == "command-r":  # transformers has no Command-R GGUF config: read through its tokenizer class
+        from transformers import CohereTokenizer
+
+        tok = CohereTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = derived.with_name(derived.name + f".tmp{os.getpid()}")
+    tok.save_pretrained(str(tmp))
+    try:
+        tmp.rename(derived)
+    except OSError:  # another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
 
 
 def _eos_ids(model, tokenizer, extra) -> list[int]:

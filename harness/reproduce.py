@@ -5,6 +5,7 @@
     python scripts/reproduce_paper.py --only needle,speed --launcher submitit_slurm
     python scripts/reproduce_paper.py --only modern         # Llama-3.1 / Qwen2.5 x 5 methods x budgets 128, 2048
     python scripts/reproduce_paper.py --only observation,lines   # Figures 2-5 (hit rates) and 8 (pooling ablation)
+    python scripts/reproduce_paper.py --only plan           # the memory claims as predictions, on a CPU (minutes)
     python scripts/reproduce_paper.py --only ruler          # kvpress's RULER leaderboard setting (ruler_cpu: on a CPU)
     python scripts/reproduce_paper.py --smoke               # the whole plan in miniature on a CPU (a few minutes)
 
@@ -70,6 +71,19 @@ PARTS: dict[str, Part] = {
     "ruler_methods_cpu": Part("Every method on RULER on a CPU: SmolLM2-135M, RULER 4K (11 synthetic tasks x 10), both "
                               "protocols, full + the 15 methods at compression ratios 0.25/0.5/0.75",
                               ("ruler_methods_cpu",), "CPU (hours)"),
+    "field": Part("The field's benchmarks for the leaderboard models: Llama-3.1-8B-Instruct, Qwen3-8B x LongBench-v2 (503), "
+                  "InfiniteBench (12 tasks), both protocols, and SCBench (9 tasks, multi-request and multi-turn), full + "
+                  "SnapKV/PyramidKV/StreamingLLM/H2O at compression ratios 0.25/0.5/0.75/0.875 (docs/field_benchmarks.md)",
+                  ("field_longbench_v2", "field_infinitebench", "field_scbench"),
+                  "one 80 GB GPU (128K contexts; Llama-3.1 is gated: HF_TOKEN); hub data or task.data_dir"),
+    "field_cpu": Part("The field's benchmarks on a CPU: SmolLM2-135M, LongBench-v2 (20 short questions) and InfiniteBench "
+                      "(6 tasks x 5) in both protocols, SCBench (4 tasks x 2, 3 turns, both modes), truncated to 7500 tokens, "
+                      "full + SnapKV/StreamingLLM at ratios 0.5/0.75",
+                      ("field_longbench_v2_cpu", "field_infinitebench_cpu", "field_scbench_cpu"), "CPU (hours); hub data or task.data_dir"),
+    "plan": Part("The paper's memory claims as predictions, planned on a CPU (task=plan, fake tensors): LWM-Text-Chat-1M "
+                 "fp16 on 80 GB, batch 1/2, full (eager, sdpa, FlashAttention-2, 4.37 logits) vs SnapKV 1024/2048; "
+                 "Llama-3.1-8B, Qwen3-8B, Mixtral 8x7B, Gemma 3 12B at 32K-128K on 24/48/80/140 GB",
+                 ("paper_plan", "paper_plan_hf437", "paper_plan_eager", "paper_plan_modern"), "CPU (no GPU, no weights)"),
 }
 DEFAULT_PARTS = ("longbench", "needle", "speed")
 SMOKE_PARTS: dict[str, Part] = {
@@ -437,6 +451,10 @@ def build_report(out: Path, results_dir: Path) -> int:
         print(f"error: {out} holds no runs yet", file=sys.stderr)
         return 2
     written = build(out, results_dir)
+    if (out / "plan").is_dir():  # the plan part: the paper's claims beside the predictions
+        from harness.tasks.plan.predictions import main as predictions
+
+        predictions([str(out / "plan"), str(results_dir.parent / "plan")])
     print(f"tables: {results_dir} ({', '.join(written['sections']) or 'no tables'}; {written['runs']} run(s))")
     return 0
 

@@ -60,7 +60,7 @@ if [ "${SEARCH:-1}" = "1" ]; then
   cap="${CAP_GB:-1.5}"
   echo "== maximum-length search, cap ${cap} GB -> $out/search"
   "$py" -m harness task=bench model=smollm2-135m progress=false "hydra.run.dir=$out/search" ${threads[@]+"${threads[@]}"} \
-    task.repeats=0 task.max_length_search=true "task.memory_cap_gb=$cap" task.search_start=1024 task.search_resolution=512 \
+    task.repeats=0 task.max_length_search=true task.search_by=measure "task.memory_cap_gb=$cap" task.search_start=1024 task.search_resolution=512 \
     task.search_max=65536 "$@"
   sed -n '/Maximum prompt length/,$p' "$out/search/bench_table.md"
 fi

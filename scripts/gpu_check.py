@@ -146,7 +146,8 @@ def build_plan(*, sequential_override: str | None = None, maxlen_upper: int = CL
              ("llama2-tokenizer",), [
         Step("c1", "c", "bench search only: SnapKV first (the claim), then full, bisection to 16K tokens",
              harness(*lwm, f"task.methods=[{SNAPKV},{FULL}]", "task.context_lengths=[4096]", "task.repeats=0", "task.warmup=1",
-                     "task.max_length_search=true", "task.memory_cap_gb=80", f"task.search_start={maxlen_upper}",
+                     "task.max_length_search=true", "task.search_by=measure", "task.memory_cap_gb=80",
+                     f"task.search_start={maxlen_upper}",
                      f"task.search_max={maxlen_upper}", "task.search_resolution=16384", "task.search_decode_tokens=8",
                      run_dir=str(WORK / "c_maxlen")), 0, str(WORK / "c_maxlen")),
     ], tables("c_max_length"))
@@ -551,6 +552,37 @@ def build_d(part: Part, done: dict[str, Outcome], plan: list[Part]) -> str:
     return text + (f", batched/sequential {batched}x" if batched else "")
 
 
+def planner():
+    """The plan of part b/c's runs (task=plan, docs/planning.md): LWM-Text-Chat-1M's fake twin in bf16, built once.
+    Its predictions are printed beside each memory and max-length measurement, so the first GPU run checks the plan."""
+    global _PLANNER
+    if _PLANNER is None:
+        from omegaconf import OmegaConf
+
+        from harness.tasks.plan.planner import Planner
+
+        from harness import CONF_DIR
+
+        cfg = OmegaConf.load(CONF_DIR / "model" / "lwm-text-chat-1m.yaml")
+        cfg.dtype = "bfloat16"
+        _PLANNER = Planner(cfg, "cuda")
+    return _PLANNER
+
+
+_PLANNER = None
+PLAN_METHODS = {"full": {"name": "full"}, "snapkv-c1024": {"name": "snapkv", "budget": 1024, "window_size": 32, "kernel_size": 7,
+                                                            "pooling": "maxpool", "gqa": "expand"}}
+
+
+def planned_gib(label: str, length: int, decode_tokens: int) -> float | None:
+    try:
+        got = planner().point(PLAN_METHODS[label], length, batch_size=1, new_tokens=decode_tokens + 1)
+    except Exception as exc:  # noqa: BLE001  (a plan that cannot run must not lose the measured tables)
+        print(f"plan of {label} at {length}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+    return round(got["peak_bytes"] / 2**30, 2)
+
+
 def build_b(part: Part, done: dict[str, Outcome], plan: list[Part]) -> str:
     from harness.tasks.bench.task import aggregate
 
@@ -561,7 +593,8 @@ def build_b(part: Part, done: dict[str, Outcome], plan: list[Part]) -> str:
     gib = 2**30
     out = [[e["label"], e["length"], e["prefill_s"], e["compress_s"], e["decode_ms_per_token"], e["decode_p90_ms"],
             e["decode_vs_full"], round(e["kv_bytes"] / 2**20, 1), e["kv_matches_analytic"], e["kv_full_over_this"],
-            round(e["peak_bytes"] / gib, 2), round(e["peak_increase_bytes"] / gib, 2), e["peak_vs_full"]] for e in table]
+            round(e["peak_bytes"] / gib, 2), planned_gib(e["label"], e["length"], int(override(part.steps[0], "task.decode_tokens"))),
+            round(e["peak_increase_bytes"] / gib, 2), e["peak_vs_full"]] for e in table]
     missing = [f"{label}@{n}" for label in ("full", "snapkv-c1024") for n in lengths
                if not any(e["label"] == label and e["length"] == n for e in table)]
     notes = ["LWM-Text-Chat-1M's architecture (Llama-2-7B shape, 32 layers x 32 heads) with random weights, bf16, SDPA, "
@@ -572,7 +605,8 @@ def build_b(part: Part, done: dict[str, Outcome], plan: list[Part]) -> str:
              state_note([done[s.name] for s in part.steps]) + (f" Not measured: {', '.join(missing)}." if missing else "")]
     write_table("b_bench", f"Bench on the GPU: full vs SnapKV C1024 at {'/'.join(f'{n // 1024}K' for n in lengths)}", notes,
                 ["method", "prompt", "prefill s", "compress s", "decode ms/token", "p90 ms/step", "decode × full",
-                 "KV MiB", "KV = analytic", "KV full ÷ this", "peak GiB", "peak +GiB", "peak × full"], out, {"aggregate": table})
+                 "KV MiB", "KV = analytic", "KV full ÷ this", "peak GiB", "planned peak GiB", "peak +GiB", "peak × full"], out,
+                {"aggregate": table})
     at = {e["label"]: e for e in table if e["length"] == max((x["length"] for x in table), default=0)}
     if "full" in at and "snapkv-c1024" in at:
         f, s = at["full"], at["snapkv-c1024"]
@@ -594,8 +628,10 @@ def build_c(part: Part, done: dict[str, Outcome], plan: list[Part]) -> str:
         failures = [p["length"] for p in mine if not p.get("fits") and p["length"] > longest]
         best = next((p for p in mine if p["length"] == longest and p.get("fits")), {})
         found[label] = longest
+        planned = {p["length"]: planned_gib(label, p["length"], int(override(step, "task.search_decode_tokens"))) for p in mine}
         rows.append([label, longest or None, min(failures, default=None), longest >= upper,
                      round(best["peak_bytes"] / 2**30, 2) if best.get("peak_bytes") else None,
+                     ", ".join(f"{n}: {'–' if v is None else v}" for n, v in planned.items()) or "none",
                      ", ".join(f"{p['length']}{'✓' if p.get('fits') else '✗'}" for p in mine) or "none"])
     claim = ("fits" if found["snapkv-c1024"] >= upper else "not shown") if probes else "not reached"
     cap, resolution = override(step, "task.memory_cap_gb"), override(step, "task.search_resolution")
@@ -608,7 +644,8 @@ def build_c(part: Part, done: dict[str, Outcome], plan: list[Part]) -> str:
              f"SnapKV C1024 at {upper} tokens under {cap} GB: {claim}. "
              + ("" if finished else "The search did not finish in its box. ") + state_note([done[s.name] for s in part.steps])]
     write_table("c_max_length", f"Longest prompt within {cap} GB: full vs SnapKV C1024", notes,
-                ["method", "longest fit", "first failure above it", "reached upper bound", "peak GiB at longest fit", "probes"],
+                ["method", "longest fit", "first failure above it", "reached upper bound", "peak GiB at longest fit",
+                 "planned peak GiB per probe (task=plan; fits when <= 80 - reserve)", "probes"],
                 rows, {"probes": probes, "upper": upper, "search_finished": finished})
     return f"SnapKV {found['snapkv-c1024'] or '–'} tokens ({claim} at {upper}), full {found['full'] or '–'}"
 

@@ -4,11 +4,13 @@ retention diagnostics. Tiny random models, milliseconds."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
 from harness.errors import HarnessError
-from harness.methods import build_method
+from harness.methods import METHODS
 from harness.models import LoadedModel
 from harness.generation.generate import batch_refusal, generate_settings
 from harness.generation.prompt import Prompt, Question, question_outcomes
@@ -22,18 +24,30 @@ def loaded_of(model) -> LoadedModel:
                        prompt_max_length=None, device=torch.device("cpu"))
 
 
+# Options that make each method compress the tiny prompts (112 tokens); every other option is the method's default.
+OPTIONS = {"budget": 40, "window_size": 8, "kernel_size": 5, "ratio": None}
+SPECIAL = {
+    "h2o": {"block_size": 33},
+    "pyramidkv": {"budget": 48, "beta": 4},
+    "tova": {"window_size": 1},
+    "adakv": {"budget": 48, "scorer_kernel_size": 5},  # per-head budgets: ragged rows padded to the longest
+    "cake": {"budget": 48},  # per-layer budgets allocated per row: rows may differ (stored ragged)
+}
+
+
+def batchable() -> list[str]:
+    """Every registered method that accepts batched items (KVzip scores one sequence at a time)."""
+    return sorted(n for n in METHODS if getattr(METHODS[n], "supports_batches", True))
+
+
 def methods() -> list[tuple[str, object]]:
-    return [
-        ("full", build_method({"name": "full"})),
-        ("snapkv", build_method({"name": "snapkv", "budget": 40, "window_size": 8, "kernel_size": 5, "pooling": "maxpool", "gqa": "expand"})),
-        ("h2o", build_method({"name": "h2o", "budget": 40, "window_size": 8, "block_size": 33, "gqa": "mean"})),
-        ("pyramidkv", build_method({"name": "pyramidkv", "budget": 48, "window_size": 8, "kernel_size": 5, "pooling": "maxpool",
-                                    "beta": 4, "gqa": "expand"})),
-        ("tova", build_method({"name": "tova", "budget": 40, "ratio": None, "window_size": 1, "gqa": "mean"})),
-        ("adakv", build_method({"name": "adakv", "budget": 48, "ratio": None, "scorer": "snapkv", "window_size": 8,
-                                "scorer_kernel_size": 5, "scorer_pooling": "avgpool", "gqa": "mean", "safeguard": 0.2,
-                                "allocation": "kvpress"})),  # per-head budgets: ragged rows padded to the longest
-    ]
+    out = []
+    for name in batchable():
+        cls = METHODS[name]
+        known = {f.name for f in fields(cls)}
+        options = {k: v for k, v in {**OPTIONS, **SPECIAL.get(name, {})}.items() if k in known}
+        out.append((name, cls.from_config(options)))
+    return out
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -82,6 +96,17 @@ def test_each_batched_item_equals_its_own_run(query_aware, family, one_thread):
     # the rows were compressed on their own: the needles sit at different places, so SnapKV keeps different positions
     snap = [got["snapkv"].kept for got in together]
     assert any(not torch.equal(snap[0][i], snap[1][i]) for i in snap[0] if snap[0][i] is not None)
+    # CAKE's layer budgets differ between the rows (each row allocated on its own): the ragged path ran
+    # (gemma3's tiny model has one full-attention layer: nothing to allocate between)
+    if family == "gemma3":
+        return
+    per_layer = [repr(got["cake"].diagnostics["kv_positions_after_prefill"]) for got in together]
+    assert len(set(per_layer)) > 1, per_layer
+
+
+def test_the_batched_check_covers_every_method_that_accepts_batches():
+    assert {"full", "snapkv", "h2o", "pyramidkv", "tova", "adakv", "cake", "chunkkv", "knorm"} <= set(batchable())
+    assert "kvzip" not in batchable() and len(batchable()) == len(METHODS) - 1
 
 
 def test_batched_items_with_several_questions(one_thread):

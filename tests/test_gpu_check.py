@@ -357,6 +357,9 @@ def test_parts_b_and_c_tables_from_the_bench_records_and_a_cut_short_search(cpu_
     snap = next(e for e in table["aggregate"] if e["label"] == "snapkv-c1024" and e["length"] == 2048)
     assert snap["kept_tokens"] == [1024] and snap["kv_matches_analytic"]  # SnapKV C1024 really compressed
     assert headline.startswith("at 2048: decode")
+    planned = {(r[0], r[1]): r[11] for r in table["rows"]}  # the plan (task=plan) beside each measured peak
+    assert all(isinstance(v, float) and v > 12 for v in planned.values()), planned  # LWM's bf16 weights alone: 12.55 GiB
+    assert planned[("full", 2048)] > planned[("snapkv-c1024", 2048)]
 
     c = part(plan, "c", c1=tmp_path / "bc")
     c.steps[0].argv = substitute(c.steps[0].argv, task__search_max=2048)

@@ -197,7 +197,7 @@ def test_modern_families_build_with_random_weights(name):
 
     shrink = ["model.architecture.hidden_size=64", "model.architecture.intermediate_size=128",
               "model.architecture.num_attention_heads=4", "model.architecture.num_key_value_heads=2",
-              "model.architecture.head_dim=16", "model.architecture.vocab_size=1000",
+              "model.architecture.head_dim=16", "model.architecture.vocab_size=49152",  # SmolLM2's stand-in fits
               f"model.architecture.num_hidden_layers={6 if 'gemma' in name else 2}"]
     if "gemma" in name:
         shrink.append("model.architecture.query_pre_attn_scalar=16")
@@ -205,7 +205,7 @@ def test_modern_families_build_with_random_weights(name):
     cfg = compose(f"model={name}", "model.random_weights=true", "model.device=cpu", "model.dtype=float32", "model.path=null", *shrink)
     loaded = load_model(cfg.model)
     model = loaded.model
-    assert loaded.info["random_weights"] and sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert loaded.info["random_weights"] and sum(p.numel() for p in model.parameters()) < 8_000_000
     # EOS ids come from the model's own config, not from SmolLM2's stand-in tokenizer (its EOS id 2 is Gemma's <bos>)
     assert loaded.info["tokenizer"] == "smollm2-135m (embedded)"
     if "gemma" in name:
@@ -215,7 +215,7 @@ def test_modern_families_build_with_random_weights(name):
         assert type(model).__name__ == "Qwen3ForCausalLM"
         assert loaded.eos_token_ids == [151645]  # <|im_end|>
     out = model(input_ids=torch.randint(0, 1000, (1, 12)))
-    assert out.logits.shape == (1, 12, 1000)
+    assert out.logits.shape == (1, 12, 49152)
 
 
 # ------------------------------------------------------------------------------------------ tiny per-family models
@@ -300,7 +300,7 @@ def test_an_unreachable_hub_fails_fast(tmp_path):
         "    out['error'] = str(e)\n"
         "out['hub_s'] = time.perf_counter() - t\n"
         "shrink = ['model.architecture.' + kv for kv in ('hidden_size=64', 'intermediate_size=128', 'num_attention_heads=4',\n"
-        "          'num_key_value_heads=2', 'head_dim=16', 'vocab_size=1000', 'num_hidden_layers=2')]\n"
+        "          'num_key_value_heads=2', 'head_dim=16', 'vocab_size=49152', 'num_hidden_layers=2')]\n"
         "t = time.perf_counter()\n"
         "loaded = load_model(compose('model=qwen3-8b', 'model.random_weights=true', 'model.device=cpu', 'model.dtype=float32', *shrink).model)\n"
         "out['random_s'] = time.perf_counter() - t\n"
@@ -357,3 +357,28 @@ def test_chat_template_kwargs_reach_the_template_and_the_record(tiny_random):
     loaded = load_model(compose("model=tiny-random", "model.chat_template_kwargs={enable_thinking: false}").model)
     assert loaded.chat_template_kwargs == {"enable_thinking": False} and loaded.info["chat_template_kwargs"] == {"enable_thinking": False}
     assert tiny_random.info["chat_template_kwargs"] == {}
+
+
+def test_random_weights_use_the_familys_vocabulary_and_refuse_one_that_does_not_fit():
+    """A hub config with model.random_weights=true and no local tokenizer (model.source=local: no hub attempt)
+    takes its family's real vocabulary (LWM: Llama-2 SentencePiece, 32,000 ids) from set-up's vocabularies, and
+    text tokenized by it runs through the model; a tokenizer with more ids than the model's vocabulary is refused
+    in one line before the weights are built. Which tokenizer ran is recorded."""
+    from harness.errors import HarnessError
+    from harness.models import load_model
+
+    shrink = ["model.architecture.hidden_size=64", "model.architecture.intermediate_size=128",
+              "model.architecture.num_attention_heads=4", "model.architecture.num_key_value_heads=4",
+              "model.architecture.num_hidden_layers=2", "model.random_weights=true", "model.device=cpu",
+              "model.dtype=float32", "model.device_map=null"]
+    loaded = load_model(compose("model=lwm-text-chat-1m", "model.source=local", "model.path=/nonexistent/lwm", *shrink).model)
+    assert loaded.info["tokenizer"].startswith("llama-spm (") and loaded.info["tokenizer_ids"] == 32000
+    ids = loaded.tokenizer("One of the special magic numbers is: 7", add_special_tokens=True)["input_ids"]
+    assert ids[0] == 1 and max(ids) < 32000  # Llama-2's BOS, ids inside the model's embedding
+    import torch
+
+    assert loaded.model(torch.tensor([ids])).logits.shape == (1, len(ids), 32000)
+    with pytest.raises(HarnessError) as err:
+        load_model(compose("model=tiny-random", "model.architecture.vocab_size=1000").model)
+    message = str(err.value)
+    assert "\n" not in message and "smollm2-135m (embedded) has 49152 ids but the model's vocabulary has 1000" in message

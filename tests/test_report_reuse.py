@@ -153,7 +153,7 @@ def test_a_run_recorded_before_an_option_existed_pairs_at_that_options_old_defau
     new = {**old, "template_prefix": "if_present"}
     other = {**old, "template_prefix": "always"}
     run = lambda method: SimpleNamespace(data={"method": method})  # noqa: E731
-    assert method_description(run(old)) == method_description(run(new)) == new
+    assert method_description(run(old)) == method_description(run(new)) == {**new, "sink_rule": "always"}  # both added since
     assert method_description(run(other)) != method_description(run(old))
     snap = {"name": "snapkv", "budget": 512}
     assert method_description(run(snap)) == snap  # no option added since: as recorded

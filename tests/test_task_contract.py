@@ -21,6 +21,10 @@ TASK_ARGS = {
     "longbench": (["task=longbench", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'longbench'}", "task.datasets=[trec]",
                    "task.limit=1"], "pred/trec.jsonl", None),
     "long_answers": (["task=long_answers", "task.keys=[4]", "task.samples=1", "task.tokens_per_key=2"], "long_answers.jsonl", "items"),
+    "longbench_v2": (["task=longbench_v2", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'longbench_v2'}", "task.limit=1"],
+                     "longbench_v2.jsonl", "items"),
+    "infinitebench": (["task=infinitebench", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'infinitebench'}",
+                       "task.tasks=[passkey]", "task.limit=1"], "infinitebench.jsonl", "items"),
 }
 READING_TASKS = ("observation", "perplexity")  # they generate nothing: no question, no protocol option
 COMMON_RECORD = {"protocol", "prompt_tokens", "question_start", "new_tokens", "stopped_by", "prefill_seconds", "decode_seconds",

@@ -18,16 +18,13 @@ set-up first, so a missing vocabulary means set-up was not run.
 
 from __future__ import annotations
 
-import os
-import shutil
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
-from harness.models import cache_root
+from harness.models import VOCABULARIES, cache_root, vocabulary_file, vocabulary_tokenizer
 
-VOCABS: tuple[str, ...] = ("llama-spm", "llama-bpe", "qwen2", "command-r")
+VOCABS: tuple[str, ...] = VOCABULARIES
 
 
 def vocab_dir() -> Path:
@@ -37,32 +34,15 @@ def vocab_dir() -> Path:
 def vocab_file(name: str) -> Path:
     if name not in VOCABS:
         raise ValueError(f"unknown vocabulary {name!r}; expected one of {VOCABS}")
-    path = vocab_dir() / f"ggml-vocab-{name}.gguf"
+    path = vocabulary_file(name)
     if not path.is_file() or path.stat().st_size == 0:
         pytest.fail(f"{path} is missing: run `bash scripts/setup.sh` first (it extracts the paper's vocabularies "
                     f"from the llama-cpp-python source distribution)", pytrace=False)
     return path
 
 
-@lru_cache(maxsize=None)
 def vocab_tokenizer(name: str):
-    """The tokenizer of vocabulary `name` (one of VOCABS), from the GGUF file set-up extracted."""
-    from transformers import AutoTokenizer
-
-    gguf = vocab_file(name)
-    derived = vocab_dir() / "hf" / f"{name}-{gguf.stat().st_size}"
-    if (derived / "tokenizer_config.json").is_file():
-        return AutoTokenizer.from_pretrained(str(derived))
-    if name == "command-r":
-        from transformers import CohereTokenizer
-
-        tok = CohereTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    else:
-        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = derived.with_name(derived.name + f".tmp{os.getpid()}")
-    tok.save_pretrained(str(tmp))
-    try:
-        tmp.rename(derived)
-    except OSError:  # another process saved it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tok
+    """The tokenizer of vocabulary `name` (one of VOCABS), from the GGUF file set-up extracted
+    (harness.models.vocabulary_tokenizer, which random-weight models use too)."""
+    vocab_file(name)
+    return vocabulary_tokenizer(name)

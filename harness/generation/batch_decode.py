@@ -52,6 +52,7 @@ for the record's `decoded_with`).
 
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from harness.decoding import _sync, greedy_decode, prefill
 from harness.errors import HarnessError
+from harness.memory_plan import same_start, values
 from harness.methods.base import repeat_kv
 from harness.methods.engine import _observing, attention_modules, causal_suffix_mask
 
@@ -127,7 +129,7 @@ class _RowsLayer(CacheLayerMixin):
         if groups > 1:
             keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
         buffers = self.buffers.get(id(layer))
-        if buffers is None or buffers[0].shape[2] < length + new or buffers[0].data_ptr() != layer.keys.data_ptr():  # the first update (or out of room): one copy
+        if buffers is None or buffers[0].shape[2] < length + new or not same_start(buffers[0], layer.keys):  # the first update (or out of room): one copy
             size = length + max(new, self.room)
             buffers = tuple(old.new_empty((*old.shape[:2], size, old.shape[3])) for old in (layer.keys, layer.values))
             buffers[0][:, :, :length], buffers[1][:, :, :length] = layer.keys, layer.values
@@ -174,7 +176,7 @@ class RowsCache(Cache):
     def __init__(self, caches: list[Cache], room: int = 0, buffers: dict | None = None):
         self.caches = list(caches)  # in row order (decode_time.after_step compresses each setting's own)
         sizes = [int(c.layers[0].keys.shape[0]) for c in caches]
-        ends = torch.tensor(sizes).cumsum(0).tolist()
+        ends = list(itertools.accumulate(sizes))
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
         buffers = {} if buffers is None else buffers
         layers = [_RowsLayer(i, [c.layers[i] for c in caches], self.bounds, room, buffers) for i in range(len(caches[0].layers))]
@@ -196,7 +198,7 @@ class RowsCache(Cache):
         rows = [r for s in keep for r in range(*self.bounds[s])]
         self.caches = [self.caches[s] for s in keep]
         sizes = [self.bounds[s][1] - self.bounds[s][0] for s in keep]
-        ends = torch.tensor(sizes, dtype=torch.long).cumsum(0).tolist()
+        ends = list(itertools.accumulate(sizes))
         self.bounds = [(end - size, end) for size, end in zip(sizes, ends)]
         for layer in self.layers:
             layer.rows, layer.bounds = [layer.rows[s] for s in keep], self.bounds
@@ -309,7 +311,7 @@ def decode_together(model, caches: list[Cache], first_logits: list[torch.Tensor 
     groups: dict = {}
     for i, (end, ids) in enumerate(zip(ends, suffixes)):
         if ids is not None:
-            groups.setdefault((end, tuple(ids.reshape(-1).tolist())), []).append(i)
+            groups.setdefault((end, tuple(values(ids.reshape(-1)))), []).append(i)
     for (end, ids), members in groups.items():
         part = RowsCache([caches[i] for i in members], room, buffers)
         suffix_ids = torch.tensor([ids], dtype=torch.long, device=device).expand(part.bounds[-1][1], -1)
@@ -324,7 +326,7 @@ def decode_together(model, caches: list[Cache], first_logits: list[torch.Tensor 
     batch = RowsCache(caches, room, buffers)
     bounds = list(batch.bounds)  # each cache's rows of the result (the batch drops settings as they finish)
     rows = torch.cat([torch.full((hi - lo,), end, dtype=torch.long) for (lo, hi), end in zip(batch.bounds, ends)])
-    positions = int(rows[0]) if len(set(ends)) == 1 else rows.to(device)
+    positions = int(ends[0]) if len(set(ends)) == 1 else rows.to(device)
     with _attention_per_setting(model, batch):
         tokens, steps, stopped = greedy_decode(model, batch, torch.cat([lg.to(device) for lg in logits], dim=0),
                                                positions, **decode_options)

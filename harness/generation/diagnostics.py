@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 from harness.generation.prompt import Prompt
+from harness.memory_plan import scalar
 from harness.methods.layout import LAYOUT_REASONS, layer_bytes
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,8 @@ def _row_after(record, row: int) -> list[int]:
     are padded to the batch's longest, positions -1)."""
     if record.positions is None:
         return list(record.after)
-    return [int(record.after[0]), int((record.positions[row] >= 0).sum(dim=-1).max())]
+    mine = record.positions[row]
+    return [int(record.after[0]), int(scalar((mine >= 0).sum(dim=-1).max(), planned=mine.shape[-1]))]  # a plan: its longest
 
 
 def row_cache_bytes(cache, row: int) -> int:
@@ -101,7 +103,7 @@ def row_cache_bytes(cache, row: int) -> int:
         rows, length = int(layer.keys.shape[0]), int(layer.keys.shape[2])
         nbytes = layer_bytes(layer)
         owner = getattr(layer, "_kvharness_owner", None)  # ragged (harness/methods/ragged.py): -1 marks padding
-        share = int((owner[row] >= 0).sum()) / max(length, 1) if owner is not None else 1.0
+        share = int(scalar((owner[row] >= 0).sum(), planned=length)) / max(length, 1) if owner is not None else 1.0
         total += round(nbytes / rows * share)
     return total
 

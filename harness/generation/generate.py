@@ -21,6 +21,7 @@ import torch
 from harness.errors import HarnessError, is_out_of_memory
 from harness.generation.diagnostics import compression_diagnostics
 from harness.generation.prompt import Outcome, Prompt, QuestionOutcomes
+from harness.memory_plan import scalar
 from harness.methods import decode_time
 from harness.methods.layout import LAYOUT_REASONS
 from harness.models import LoadedModel
@@ -101,7 +102,7 @@ def _row_positions(positions, row: int, rows: int):
     if positions is None or rows == 1:
         return positions
     mine = positions[row:row + 1]
-    return mine[..., :int((mine >= 0).sum(dim=-1).max())]
+    return mine[..., :int(scalar((mine >= 0).sum(dim=-1).max(), planned=mine.shape[-1]))]  # a plan: its longest head
 
 
 def batch_refusal(prompts: list[Prompt], keep_answers: bool = False) -> str | None:

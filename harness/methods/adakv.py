@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.errors import require
+from harness.memory_plan import is_fake, largest_first, mark_bound, plan_values, planned_values
 from harness.methods.base import Selection, gather_positions
 from harness.methods.registry import register
 from harness.methods.scoring import WrappedScorer
@@ -41,7 +42,11 @@ def ragged_selection(keys: torch.Tensor, values: torch.Tensor, chosen: torch.Ten
     padded with -1 to the longest head, `counts` per head (the engine stores it ragged)."""
     b, heads, length = chosen.shape
     counts = chosen.sum(dim=-1)
-    n_max = max(int(counts.max()), 1)
+    if is_fake(counts):  # a plan: the per-head counts the method planned (harness/memory_plan.py)
+        n_max = max(max(max(row) for row in planned_values(chosen)), 1)
+        plan_values(counts, planned_values(chosen))
+    else:
+        n_max = max(int(counts.max()), 1)
     idx = torch.arange(length, device=chosen.device).expand(b, heads, length)
     ranked = torch.where(chosen, idx, idx + length).sort(dim=-1).values[..., :n_max]  # kept ones first, ascending
     valid = torch.arange(n_max, device=chosen.device) < counts[..., None]
@@ -72,7 +77,21 @@ class AdaKV(WrappedScorer):
         scores = self.scores_of_all(keys, values, stats).float()  # (B, H, L), the window at max + 1
         chosen = (kvpress_allocation if self.allocation == "kvpress" else official_allocation)(
             scores, budget, self.safeguard, self.inner.window_size)
+        if is_fake(chosen):
+            plan_values(chosen, self.planned_counts(chosen.shape, budget))
         return ragged_selection(keys, values, chosen)
+
+    def planned_counts(self, shape, budget: int) -> list[list[int]]:
+        """A plan's per-head kept counts (no scores to read): one head as large as the allocation allows."""
+        b, heads, length = shape
+        window = self.inner.window_size
+        mark_bound("adakv: per-head budgets depend on the scores; planned with one head at its largest")
+        if self.allocation == "kvpress":
+            return [largest_first(heads * budget, heads, length, min(max(1, int(budget * self.safeguard)), length))] * b
+        per_head = budget - window
+        own = [min(round((1 - self.safeguard) * c + self.safeguard * per_head), length - window) + window
+               for c in largest_first(heads * per_head, heads, length - window)]
+        return [own] * b
 
 
 def kvpress_allocation(scores: torch.Tensor, budget: int, safeguard: float, window: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.errors import require
+from harness.memory_plan import is_fake, planned_device_type
 
 
 def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
@@ -81,9 +82,12 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_si
     require(offset + n_queries == length, f"queries at {offset}..{offset + n_queries} do not end at the last key ({length})")
     groups = hq // hkv
     scale = 1.0 / math.sqrt(d) if scaling is None else float(scaling)
-    block_size = cpu_block_rows(block_size, b * hq, length) if queries.device.type == "cpu" else block_size
+    block_size = cpu_block_rows(block_size, b * hq, length) if planned_device_type(queries) == "cpu" else block_size
     totals = torch.zeros(b, hkv, groups, length, dtype=torch.float32, device=queries.device)
-    for start in range(0, n_queries, block_size):
+    starts = range(0, n_queries, block_size)
+    # A plan (fake tensors, harness/memory_plan.py) computes nothing: every block allocates the same temporaries,
+    # sized by its rows x the keys it sees: the last full block or the (shorter) last one has the loop's peak.
+    for start in starts[-2:] if is_fake(queries) else starts:
         end = min(start + block_size, n_queries)
         n = end - start
         visible = offset + end  # keys this block's last row can see

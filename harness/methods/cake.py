@@ -11,9 +11,18 @@ softmax over all keys, causal inside the window) restricted to the prefix keys j
                         rounding redistributed so that the total stays (C - W) * N (the authors' adjust_budgets)
     token score         e_{h,j} = mean_i A + gamma * Var_i A, average-pooled (kernel 5), group mean per KV head
 
-Each layer keeps its top B_l positions per head plus the window. Defaults: the authors' (C = 1024 per
-layer on average, window included; W = 32; gamma = 200; tau1 = tau2 = 1, their value for models
-without a tuned pair). No eviction when L <= C + W (the authors' rule).
+Each layer keeps its top B_l positions per head plus the window. Preferences and budgets are per
+batch row (the authors run one sequence at a time): batched items (`task.batch_size`) keep, per row,
+what the row keeps alone, rows with different budgets stored ragged. Defaults: the authors' (C = 1024 per
+layer on average, window included; W = 32; gamma = 200; tau1 = tau2 = 1, the authors' fallback for
+a model without a tuned pair: their model2tau.json tunes tau per model, e.g. Llama-3.1-8B 1.6/0.4,
+Qwen2.5-7B 1.5/0.6, Mistral 0.8/0.5, so reproduce a model of that list with its pair). No eviction
+when L <= C + W (the authors' rule).
+
+Precision (`round_softmax_to_model_dtype`, default true: the authors' code): the float32 softmax is
+rounded to the model dtype, the entropy taken in float32, the variance, the token scores and the pooling
+in the model dtype; false computes all of it in float32. Identical in float32 models; in bf16/fp16 the
+budgets and the kept positions can differ.
 
 Budgets need every layer's preference, so CAKE is an across-layers method: the engine holds each
 layer until the last one is summarised (peak memory = the full cache, as the authors' code without
@@ -30,20 +39,32 @@ import torch
 import torch.nn.functional as F
 
 from harness.errors import require
+from harness.methods.adakv import ragged_selection
+from harness.memory_plan import is_fake, mark_bound
 from harness.methods.base import ScoredMethod, Selection, keep_top_scored
 from harness.methods.registry import register
 from harness.methods.attention import window_attention
 
 
-def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> float:
-    """P_l from the window attention restricted to the prefix, (B, Hq, W, P) float32."""
-    dispersion = -(attn * torch.log(attn + 1e-10)).sum()
-    shift = attn.var(dim=-2, unbiased=True).sum()
-    return float(dispersion ** (1 / tau1) * shift ** (1 / tau2))
+def layer_preference(attn: torch.Tensor, tau1: float, tau2: float) -> list[float | None]:
+    """P_l of each batch row from the window attention restricted to the prefix, (B, Hq, W, P).
+
+    As the authors' code: the dispersion (entropy) in float32, the shift (variance, summed head by head)
+    in the attention's own dtype (the model dtype when the softmax was rounded to it). Each row is summed
+    on its own (one row's sums whether it runs alone or in a batch): the authors run one sequence at a
+    time, and a batch must not change any row's budgets. A plan (fake tensors) has no values: None, and
+    `finish` plans a bound."""
+    out = []
+    for row in attn:
+        dispersion = -(row.float() * torch.log(row.float() + 1e-10)).sum()
+        shift = row.var(dim=-2, unbiased=True).sum(0).sum(0)
+        preference = dispersion ** (1 / tau1) * shift.float() ** (1 / tau2)
+        out.append(None if is_fake(preference) else float(preference))
+    return out
 
 
 def token_scores(attn: torch.Tensor, gamma: float, kernel_size: int) -> torch.Tensor:
-    """(B, Hq, P): mean over the window queries + gamma x their variance, average-pooled."""
+    """(B, Hq, P): mean over the window queries + gamma x their variance, average-pooled (in attn's dtype)."""
     score = attn.mean(dim=-2) + gamma * attn.var(dim=-2, unbiased=True)
     return F.avg_pool1d(score, kernel_size=kernel_size, padding=kernel_size // 2, stride=1)
 
@@ -108,6 +129,13 @@ class CAKE(ScoredMethod):
     tau1: float = 1.0
     tau2: float = 1.0
     kernel_size: int = 5
+    # True (the authors' code): the float32 softmax is rounded to the model dtype, and the variance, the token
+    # scores and their pooling are computed in that dtype (the entropy in float32). False: the window attention
+    # and every statistic in float32. The same in a float32 model; in bf16/fp16 the budgets and scores differ.
+    round_softmax_to_model_dtype: bool = True
+    # Runs recorded before the option read as the default: identical in float32 models (every committed CAKE run);
+    # a half-precision run made before it had computed the statistics in float32 after the rounding.
+    added_options = {"round_softmax_to_model_dtype": True}
 
     def __post_init__(self):
         self.query_window = self.window_size
@@ -126,7 +154,10 @@ class CAKE(ScoredMethod):
         length = keys.shape[-2]
         if length <= self.budget + self.window_size:
             return None
-        attn = window_attention(stats.window_queries(self.window_size), keys, self.window_size, stats.scaling, stats.layout).float()
+        queries = stats.window_queries(self.window_size)
+        if not self.round_softmax_to_model_dtype:
+            queries, keys = queries.float(), keys.float()
+        attn = window_attention(queries, keys, self.window_size, stats.scaling, stats.layout)  # float32 softmax, cast to the input dtype
         attn = attn[..., : length - self.window_size]
         return layer_preference(attn, self.tau1, self.tau2), token_scores(attn, self.gamma, self.kernel_size)
 
@@ -135,8 +166,33 @@ class CAKE(ScoredMethod):
             return {i: Selection(k, v) for i, (k, v) in layers.items()}
         order = sorted(summaries)
         length = next(iter(layers.values()))[0].shape[-2]
-        budgets = allocate([summaries[i][0] for i in order], self.budget - self.window_size, length - self.window_size)
-        return {i: keep_top_scored(summaries[i][1], *layers[i], b, self.window_size, self.gqa) for i, b in zip(order, budgets)}
+        rows = len(summaries[order[0]][0])
+        # per batch row its own layer budgets: per_row[b][k] is layer order[k]'s budget in row b
+        per_row = [allocate(self._preferences([summaries[i][0][b] for i in order], length),
+                            self.budget - self.window_size, length - self.window_size) for b in range(rows)]
+        out = {}
+        for k, i in enumerate(order):
+            scores, (keys, values) = summaries[i][1], layers[i]
+            budgets = {row[k] for row in per_row}
+            if len(budgets) == 1:
+                out[i] = keep_top_scored(scores, keys, values, budgets.pop(), self.window_size, self.gqa)
+                continue
+            # rows with different budgets: each row's own selection, stored ragged (padded to the longest row)
+            masks = []
+            for b, row in enumerate(per_row):
+                one = keep_top_scored(scores[b:b + 1], keys[b:b + 1], values[b:b + 1], row[k], self.window_size, self.gqa)
+                mask = torch.zeros(1, one.positions.shape[1], length, dtype=torch.bool, device=keys.device)
+                masks.append(mask.scatter_(-1, one.positions, True))
+            chosen = torch.cat(masks, dim=0)
+            out[i] = ragged_selection(keys, values, chosen)
+        return out
+
+    @staticmethod
+    def _preferences(preferences: list, length: int) -> list[float]:
+        if None in preferences:  # planned (fake tensors): one layer as large as the budget allows, the rest alike
+            mark_bound("cake: layer budgets depend on attention; planned with the first layer at its largest")
+            return [float(len(preferences)) * (length + 1)] + [1.0] * (len(preferences) - 1)
+        return preferences
 
     def describe(self, num_layers):
         out = super().describe(num_layers)

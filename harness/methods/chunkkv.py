@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 
 from harness.errors import HarnessError, require
+from harness.memory_plan import is_fake, mark_bound
 from harness.methods.base import Selection
 from harness.methods.registry import register
 from harness.methods.scoring import WrappedScorer, kvpress_fraction, select_positions
@@ -44,6 +45,10 @@ def chunk_scores(scores: torch.Tensor, chunk_length: int) -> torch.Tensor:
 def chunk_positions(chunks: torch.Tensor, chunk_length: int, length: int) -> torch.Tensor:
     """Kept chunk indices (n,) -> their positions, ascending."""
     starts = chunks.sort().values * chunk_length
+    if is_fake(starts):  # a plan has no values: every kept chunk full (the most a short last chunk allows)
+        if length % chunk_length:
+            mark_bound("chunkkv: whether the short last chunk is kept depends on the scores; planned full chunks")
+        return torch.cat([torch.arange(chunk_length, device=chunks.device) for _ in range(starts.shape[0])])
     return torch.cat([torch.arange(int(s), min(int(s) + chunk_length, length), device=chunks.device) for s in starts])
 
 

@@ -61,6 +61,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from harness.errors import HarnessError, is_out_of_memory
+from harness.memory_plan import same_storage
 from harness.methods import layout as layouts
 from harness.methods import ragged
 from harness.methods import attention
@@ -462,7 +463,7 @@ class Session:
 
 def _own_storage(t: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """`t` itself, or a copy of it when it is a view into `full`'s storage."""
-    return t.clone() if t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() else t
+    return t.clone() if same_storage(t, full) else t
 
 
 def _empty_sequence(t: torch.Tensor) -> torch.Tensor:

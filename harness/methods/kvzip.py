@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from harness.errors import HarnessError, require
+from harness.memory_plan import is_fake, largest_first, mark_bound, plan_values
+from harness.memory_plan import values as values_of
 from harness.methods.adakv import ragged_selection
 from harness.methods.base import CompressionMethod, Selection
 from harness.methods.registry import register
@@ -42,6 +44,7 @@ FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with"
 PREVIOUS_TAIL = 8
 TEMPLATE_PREFIX_RULES = ("if_present", "always")
+SINK_RULES = ("always", "kvpress")
 
 
 def chat_prefix_and_suffix(tokenizer) -> tuple[list[int], list[int]]:
@@ -105,7 +108,7 @@ class KVzip(CompressionMethod):
     across_layers = True
     supports_sliding_layers = False
     supports_batches = False  # one sequence at a time (kvpress: batch 1)
-    added_options = {"template_prefix": "if_present"}  # runs recorded before the option replayed by this rule
+    added_options = {"template_prefix": "if_present", "sink_rule": "always"}  # runs recorded before these options
 
     budget: int | None = 1024
     ratio: float | None = None
@@ -118,6 +121,10 @@ class KVzip(CompressionMethod):
     # where the prompt opens with those ids; "always" (kvpress 0.5.5) skips that many leading positions whatever
     # the prompt holds (they keep score 0 and go first).
     template_prefix: str = "if_present"
+    # Which of the first `n_sink` positions are never evicted: "always" (ours) all of them; "kvpress" (0.5.5) only
+    # those before the replay's start (kvpress sets them to 1, then the chunks' scores overwrite the sinks that
+    # lie in the replayed context: with a chat-template prefix shorter than n_sink, or none, fewer are protected).
+    sink_rule: str = "always"
 
     @property
     def compresses(self) -> bool:
@@ -136,6 +143,7 @@ class KVzip(CompressionMethod):
         require(self.n_sink >= 0, f"method.n_sink={self.n_sink} must be >= 0")
         require(not self.kvzip_plus_normalization, "method.kvzip_plus_normalization=true is not built (it needs each replay "
                                                    "token's hidden state); use false")
+        require(self.sink_rule in SINK_RULES, f"method.sink_rule={self.sink_rule!r} is not one of {', '.join(SINK_RULES)}")
         require(self.template_prefix in TEMPLATE_PREFIX_RULES,
                 f"method.template_prefix={self.template_prefix!r} is not one of {', '.join(TEMPLATE_PREFIX_RULES)}")
 
@@ -163,17 +171,21 @@ class KVzip(CompressionMethod):
         memo_key = ("kvzip", self.n_sink, self.chunk_size, self.template_prefix, tuple(order))
         if memo_key not in context.memo:
             context.memo[memo_key] = self._replay_scores(context, summaries, order, first_keys)
-        scores, extra = context.memo[memo_key]
+        scores, extra, start = context.memo[memo_key]
         scores = scores.clone()
         context.state.extra = dict(extra)
-        scores[..., : self.n_sink] = scores.amax() + 1.0
+        if self.sink_rule == "kvpress":
+            scores[..., : min(self.n_sink, start)] = 1.0
+        else:
+            scores[..., : self.n_sink] = scores.amax() + 1.0
         kept = self.kept_total(scores.numel(), length, len(order), hkv)
         pruned_total = scores.numel() - kept
         if self.layerwise:
             per_layer = [pruned_total // len(order)] * len(order)
         else:
             lowest = torch.topk(-scores.reshape(-1), pruned_total).indices if pruned_total else scores.new_zeros(0, dtype=torch.long)
-            per_layer = torch.bincount(lowest // (b * hkv * length), minlength=len(order)).tolist()
+            per_layer = (self.planned_pruned(len(order), hkv * length, kept) if is_fake(scores)
+                         else torch.bincount(lowest // (b * hkv * length), minlength=len(order)).tolist())
         out = {}
         for row, idx in enumerate(order):
             keys, values = layers[idx]
@@ -184,13 +196,23 @@ class KVzip(CompressionMethod):
             flat = scores[row].reshape(b, -1)
             drop = torch.topk(-flat, n_pruned, dim=1).indices
             chosen = torch.ones_like(flat, dtype=torch.bool).scatter_(1, drop, False).view(b, hkv, length)
+            if is_fake(chosen):  # a plan: one head as large as the layer's count allows
+                plan_values(chosen, [largest_first(hkv * length - n_pruned, hkv, length)])
             out[idx] = ragged_selection(keys, values, chosen)
         return out
 
+    @staticmethod
+    def planned_pruned(layers: int, entries: int, kept: int) -> list[int]:
+        """A plan's pruned count per layer (the global top-k has no scores to read): the first layers keep all
+        they can, so one layer is as large as the budget allows."""
+        mark_bound("kvzip: the global top-k's split over layers and heads depends on the scores; planned largest first")
+        return [entries - k for k in largest_first(kept, layers, entries)]
+
     def _replay_scores(self, context, summaries, order, first_keys):
-        """Every layer's reconstruction scores (layers, B, Hkv, L) from the context replay, and its costs."""
+        """Every layer's reconstruction scores (layers, B, Hkv, L) from the context replay, its costs, and where
+        the replayed context starts."""
         b, hkv, length, _ = first_keys.shape
-        ids = context.ids[0].tolist()
+        ids = values_of(context.ids[0])  # a plan (fake tensors) has no ids: -1s, replayed in the same chunks
         prefix, suffix = chat_prefix_and_suffix(context.tokenizer)
         prefix_length = replay_start(ids, prefix, self.template_prefix)
         scores = torch.zeros(len(order), b, hkv, length, dtype=first_keys.dtype, device=first_keys.device)
@@ -201,10 +223,11 @@ class KVzip(CompressionMethod):
                 scores[row][..., _start:_end] = reconstruction_scores(query, key, _start, _end, self.n_sink, summaries[module.layer_idx])
             context.replay(torch.tensor([replay], device=first_keys.device), length, observe)
             forwards, tokens = forwards + 1, tokens + len(replay)
-        return scores, {"reconstruction_forwards": forwards, "reconstruction_tokens": tokens}
+        return scores, {"reconstruction_forwards": forwards, "reconstruction_tokens": tokens}, prefix_length
 
     def describe(self, num_layers):
         return {"name": self.name, "budget": self.budget, "ratio": self.ratio, "n_sink": self.n_sink,
                 "chunk_size": self.chunk_size, "layerwise": self.layerwise,
-                "kvzip_plus_normalization": self.kvzip_plus_normalization, "template_prefix": self.template_prefix}
+                "kvzip_plus_normalization": self.kvzip_plus_normalization, "template_prefix": self.template_prefix,
+                "sink_rule": self.sink_rule}
 

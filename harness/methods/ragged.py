@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from harness.memory_plan import is_fake, masked_rows, planned_values
 from harness.methods.attention import repeat_kv
 
 # layer index -> the mask inputs of the ragged layer updated last (written by `update` right before
@@ -49,7 +50,11 @@ def flatten(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, c
     b, h, n_max, d = keys.shape
     valid = torch.arange(n_max, device=keys.device)[None, None, :] < counts[:, :, None]  # (B, H, n_max)
     totals = valid.sum(dim=(1, 2))
-    n = int(totals.max()) if b else 0
+    if is_fake(totals):  # a plan: the counts it chose (harness/memory_plan.py), each row's total
+        totals = [sum(row) for row in planned_values(counts)]
+        n = max(totals) if b else 0
+    else:
+        n = int(totals.max()) if b else 0
     flat_k = keys.new_zeros((b, 1, n, d))
     flat_v = values.new_zeros((b, 1, n, d))
     owner = torch.full((b, n), -1, dtype=torch.long, device=keys.device)
@@ -57,9 +62,9 @@ def flatten(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, c
     for row in range(b):
         m = valid[row]
         count = int(totals[row])
-        flat_k[row, 0, :count] = keys[row][m]
-        flat_v[row, 0, :count] = values[row][m]
-        owner[row, :count] = heads[row][m]
+        flat_k[row, 0, :count] = masked_rows(keys[row], m, count)
+        flat_v[row, 0, :count] = masked_rows(values[row], m, count)
+        owner[row, :count] = masked_rows(heads[row], m, count)
     order = torch.full_like(owner, -1)
     return flat_k, flat_v, owner, order
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from harness.errors import HarnessError, require
+from harness.memory_plan import masked_last, scalar
 from harness.methods.base import ScoredMethod, Selection, gather_positions, keep_top_scored
 
 
@@ -69,7 +70,8 @@ def protect_max_plus_one(scores: torch.Tensor, where: slice) -> torch.Tensor:
     first; they count inside the budget)."""
     rest = torch.ones(scores.shape[-1], dtype=torch.bool, device=scores.device)
     rest[where] = False
-    top = scores[..., rest].max().item() if bool(rest.any()) else 0.0
+    count = scores.shape[-1] - len(range(scores.shape[-1])[where])  # rest's True entries (no device read)
+    top = scalar(masked_last(scores, rest, count).max()) if count else 0.0  # a plan (fake tensors) reads no value
     scores = scores.clone()
     scores[..., where] = top + 1
     return scores

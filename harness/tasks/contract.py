@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from harness.errors import HarnessError, require
+from harness.errors import HarnessError, is_out_of_memory, require
 from harness.generation.generate import ITEM_ERRORS, generate_settings
 from harness.generation.prompt import Prompt, question_outcomes
 from harness.models import LoadedModel
@@ -235,7 +235,7 @@ class ItemResult:
 def _failure(desc: str, key, exc: BaseException, tb: str) -> dict:
     text = str(exc).strip()
     return {"desc": desc, "key": list(key), "error": f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}",
-            "oom": isinstance(exc, (torch.OutOfMemoryError, MemoryError)), "traceback": tb}
+            "oom": is_out_of_memory(exc), "traceback": tb}
 
 
 def run_shared_items(items: Iterable, *, logs: dict[str, JsonlLog], key: Callable, work: Callable, desc: str,

@@ -11,7 +11,12 @@ import torch
 
 from harness.errors import HarnessError
 from harness.methods import build_method
-from harness.methods.kvzip import FIRST_PROMPT, LATER_PROMPT, reconstruction_scores, replay_inputs, replay_start
+from harness.methods.kvzip import reconstruction_scores, replay_inputs, replay_start
+
+# The replay prompts as KVzip's code writes them (kvpress 0.5.5 KVzipPress._chunk_context / the authors' self_task;
+# the authors' later prompt ends with a space, kvpress's does not: we follow kvpress), written out here, not imported.
+FIRST = "\n\nRepeat the previous context exactly."
+LATER = "\n\nRepeat the part of the previous context exactly, starting with"
 
 
 class Chars:
@@ -25,8 +30,8 @@ def test_replay_inputs_chunk_the_context_after_the_prefix():
     context = list(range(1000, 1025))  # 25 ids, prefix of 3, chunks of 10
     out = replay_inputs(context, prefix_length=3, chunk_size=10, suffix=[7, 7], tokenizer=Chars())
     assert [(a, b) for a, b, _ in out] == [(3, 13), (13, 23), (23, 25)]
-    first = [ord(c) for c in FIRST_PROMPT] + [7, 7] + context[3:13]
-    second = [ord(c) for c in LATER_PROMPT] + context[5:13] + [7, 7] + context[13:23]  # last 8 ids of chunk 1
+    first = [ord(c) for c in FIRST] + [7, 7] + context[3:13]
+    second = [ord(c) for c in LATER] + context[5:13] + [7, 7] + context[13:23]  # last 8 ids of chunk 1
     assert out[0][2] == first and out[1][2] == second
     assert out[2][2][-2:] == context[23:25]
 
@@ -70,7 +75,7 @@ def test_kvzip_prunes_globally_keeps_sinks_and_counts_its_forwards():
     assert out.error is None
     diag = out.diagnostics
     assert diag["reconstruction_forwards"] == 3  # 160 tokens in chunks of 64
-    first, later = len(FIRST_PROMPT), len(LATER_PROMPT)  # CharTokenizer: one id per character
+    first, later = len(FIRST), len(LATER)  # CharTokenizer: one id per character
     assert diag["reconstruction_tokens"] == (first + 1 + 64) + (later + 8 + 1 + 64) + (later + 8 + 1 + 32)
     kept = {i: int((p >= 0).sum()) for i, p in out.kept.items()}
     pairs = 2 * 2 * 160  # layers x KV heads x positions
@@ -129,3 +134,31 @@ def test_replay_start_rules():
     assert replay_start([1, 2], [], "always") == replay_start([1, 2], [], "if_present") == 0
     with pytest.raises(HarnessError, match="template_prefix"):
         build_method({"name": "kvzip", "budget": 64, "template_prefix": "never"}).validate(2, 4096)
+
+
+def test_sink_rules_ours_and_kvpress(one_thread):
+    """Ours protects the first n_sink positions always; kvpress's rule only those before the replayed context (its
+    chunks' scores overwrite the rest). With no chat template the replay starts at 0: kvpress protects nothing, so
+    at a small ratio the first positions can go; ours keeps them."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_engine import loaded_of, prompt_ids  # noqa: E402
+
+    from conftest import tiny_model
+    from harness.generation.generate import generate_settings
+    from harness.generation.prompt import Prompt
+
+    model = tiny_model("llama", "sdpa", heads=4, kv_heads=2)
+    options = {"name": "kvzip", "budget": None, "ratio": 0.1, "window_size": 0, "n_sink": 4, "chunk_size": 64}
+    kept = {}
+    for rule in ("always", "kvpress"):
+        method = build_method({**options, "sink_rule": rule})
+        out = generate_settings(loaded_of(model), [("z", method)], Prompt(prompt_ids()[0].tolist()), max_new_tokens=1)["z"]
+        kept[rule] = [set(p[0, h][p[0, h] >= 0].tolist()) for p in out.kept.values() for h in range(2)]
+    assert all({0, 1, 2, 3} <= heads for heads in kept["always"])
+    assert any(not {0, 1, 2, 3} <= heads for heads in kept["kvpress"])
+    assert build_method({**options, "sink_rule": "kvpress"}).describe(2)["sink_rule"] == "kvpress"
+    with pytest.raises(HarnessError, match="sink_rule"):
+        build_method({**options, "sink_rule": "never"}).validate(2, 4096)

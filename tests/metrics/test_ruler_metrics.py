@@ -52,6 +52,10 @@ def test_string_match_part_by_hand():
     # part scores the same sample 1/2 under "all" as 1 here: one of two found.
     assert string_match_part(["a"], [["a", "b"]]) == 100.0
     assert string_match_all(["a"], [["a", "b"]]) == 50.0
+    # several references found (SQuAD often lists one answer two or three times): still 1 per sample, the max;
+    # a sum would give 300 and 200 here
+    assert string_match_part(["Denver Broncos"], [["Denver Broncos", "Denver Broncos", "Broncos"]]) == 100.0
+    assert string_match_part(["the 1912 games", "no"], [["1912", "1912 games"], ["yes"]]) == 50.0
 
 
 def test_float_order_tie_rounds_like_ruler():

@@ -101,15 +101,6 @@ def test_search_edges():
     assert 300 - 16 <= small["max_length"] <= 300 < small["first_failure"]
 
 
-def test_is_oom_recognises_every_form():
-    from harness.tasks.bench.worker import is_oom
-
-    assert is_oom(torch.OutOfMemoryError("CUDA out of memory"))
-    assert is_oom(MemoryError())
-    assert is_oom(RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"))
-    assert not is_oom(RuntimeError("shape mismatch"))
-
-
 # ------------------------------------------------------------------------------------------ end to end
 
 def _bench_cfg(*extra):
@@ -170,7 +161,7 @@ def test_bench_search_in_process(tmp_path):
 
     cfg = _bench_cfg("task.context_lengths=[64]", "task.repeats=1", "task.warmup=0", "task.max_length_search=true",
                      "task.memory_cap_gb=100", "task.search_start=32", "task.search_resolution=16", "task.search_max=128",
-                     "task.search_decode_tokens=2", "task.plots=false")
+                     "task.search_decode_tokens=2", "task.plots=false", "task.search_by=measure")
     results = execute(cfg, tmp_path)
     search = results["search"]["methods"]
     assert all(s["max_length"] == 128 and s["reached_upper"] for s in search.values())
@@ -179,7 +170,7 @@ def test_bench_search_in_process(tmp_path):
     # A cap below the loaded model's own memory: nothing fits, reported as 0 (ratio undefined), no crash.
     low = execute(_bench_cfg("task.context_lengths=[64]", "task.repeats=1", "task.warmup=0", "task.max_length_search=true",
                              "task.memory_cap_gb=0.01", "task.search_start=32", "task.search_resolution=16", "task.search_max=64",
-                             "task.search_decode_tokens=2", "task.plots=false"), tmp_path / "low")
+                             "task.search_decode_tokens=2", "task.plots=false", "task.search_by=measure"), tmp_path / "low")
     assert all(s["max_length"] == 0 for s in low["search"]["methods"].values())
 
 
@@ -192,7 +183,7 @@ def test_bench_search_finds_the_length_where_the_cap_binds(tmp_path):
     def search(cap_gb, run):
         cfg = _bench_cfg(_methods_override([FULL]), "task.context_lengths=[64]", "task.repeats=0", "task.warmup=0",
                          "task.batch_size=32", "task.max_length_search=true", f"task.memory_cap_gb={cap_gb}", "task.search_start=64",
-                         "task.search_resolution=128", "task.search_max=1024", "task.search_decode_tokens=2", "task.plots=false")
+                         "task.search_resolution=128", "task.search_max=1024", "task.search_decode_tokens=2", "task.plots=false", "task.search_by=measure")
         return execute(cfg, tmp_path / run)["search"]
 
     free = search(100, "free")

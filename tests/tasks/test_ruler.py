@@ -53,7 +53,7 @@ def generated(request, essay):
     t = _tokenized(request.param)
     out = {}
     for name in SYNTHETIC:
-        gen = TaskGenerator(name, LENGTH, seed=42, measure=t.measure, count=t.count, wrapper=t.wrapper, essay=essay)
+        gen = TaskGenerator(name, LENGTH, seed=42, measure=t.measure, wrapper=t.wrapper, essay=essay)
         out[name] = gen.samples(SAMPLES)
     return t, out
 
@@ -62,8 +62,10 @@ def test_lengths_fit_the_budget_within_tolerance(generated):
     t, out = generated
     for name, samples in out.items():
         for s in samples:
-            total = len(t.prompt(s).ids) + s.tokens_to_generate
+            # RULER's count (no BOS) fits the length; the model input adds the tokenizer's BOS, if any
+            total = t.measure(s.text) + s.tokens_to_generate
             assert MIN_SHARE * LENGTH <= total <= LENGTH, (name, total)
+            assert len(t.prompt(s).ids) - t.measure(s.text) == len(t.tok("x")["input_ids"]) - len(t.tok.tokenize("x"))
 
 
 def test_every_needle_once_and_answers_in_the_context(generated):
@@ -129,7 +131,7 @@ def test_same_seed_same_samples_other_seed_other_samples(essay):
     t = _tokenized("llama-bpe")
     for name in ("niah_single_1", "niah_multikey_3", "vt", "fwe"):
         def gen(seed):
-            g = TaskGenerator(name, 2048, seed=seed, measure=t.measure, count=t.count, wrapper=t.wrapper, essay=essay)
+            g = TaskGenerator(name, 2048, seed=seed, measure=t.measure, wrapper=t.wrapper, essay=essay)
             return [(s.text, s.references) for s in g.samples(2)]
         a, b = gen(42), gen(42)
         assert a == b, name
@@ -138,7 +140,7 @@ def test_same_seed_same_samples_other_seed_other_samples(essay):
 
 def test_niah_rules_by_construction(essay):
     t = _tokenized("llama-bpe")
-    g = TaskGenerator("niah_single_1", LENGTH, seed=42, measure=t.measure, count=t.count, wrapper=t.wrapper)
+    g = TaskGenerator("niah_single_1", LENGTH, seed=42, measure=t.measure, wrapper=t.wrapper)
     s = g.samples(1)[0]
     # singular template, 7-digit number value, "adjective-noun" key; noise lines joined by "\n"
     assert s.text.startswith("A special magic number is hidden within the following text. Make sure to memorize it.")
@@ -149,7 +151,7 @@ def test_niah_rules_by_construction(essay):
     assert set(lines) == {NOISE, s.needles[0]}
     assert s.answer_prefix == f" The special magic number for {key} mentioned in the provided text is"
     # the multi-query task keeps the plural template and joins its 4 keys RULER's way
-    g = TaskGenerator("niah_multiquery", LENGTH, seed=42, measure=t.measure, count=t.count, wrapper=t.wrapper, essay=essay)
+    g = TaskGenerator("niah_multiquery", LENGTH, seed=42, measure=t.measure, wrapper=t.wrapper, essay=essay)
     s = g.samples(1)[0]
     query = re.search(r"What are all the special magic numbers for (.+) mentioned in the provided text\?", s.text).group(1)
     assert re.fullmatch(r"[^,]+, [^,]+, [^,]+, and [^,]+", query)
@@ -210,7 +212,7 @@ def test_qa_from_a_squad_file(tmp_path):
                         for i in range(2, 40)]}]}
     (tmp_path / "dev-v2.0.json").write_text(json.dumps(data))
     t = _tokenized("llama-bpe")
-    g = TaskGenerator("qa_1", 1024, seed=42, measure=t.measure, count=t.count, wrapper=t.wrapper, qa_data_dir=str(tmp_path))
+    g = TaskGenerator("qa_1", 1024, seed=42, measure=t.measure, wrapper=t.wrapper, qa_data_dir=str(tmp_path))
     s = g.samples(2)
     assert s[0].references == ["A0", "A0"] and s[1].references == ["A2"]
     assert "Paragraph 0 says" in s[0].context and "Paragraph 1 says" in s[0].context
@@ -272,17 +274,25 @@ def test_qa_from_a_hotpotqa_file(tmp_path):
             for q in range(3)]
     (tmp_path / "hotpot_dev_distractor_v1.json").write_text(json.dumps(data))
     t = _tokenized("llama-bpe")
-    g = TaskGenerator("qa_2", 1024, seed=42, measure=t.measure, count=t.count, wrapper=t.wrapper, qa_data_dir=str(tmp_path))
+    g = TaskGenerator("qa_2", 1024, seed=42, measure=t.measure, wrapper=t.wrapper, qa_data_dir=str(tmp_path))
     s = g.samples(2)
     assert s[0].references == ["ans0"] and s[1].references == ["ans1"]
     assert len(s[0].needles) == 10 and all(f"T0_{i}\nSentence 0 {i} a. Sentence 0 {i} b." in s[0].context for i in range(10))
     assert s[0].text.endswith("Question: Who is 0? Answer:")
+    # with supporting facts (the distractor file's own field), the retention spans are the paragraphs they name
+    for q, d in enumerate(data):
+        d["supporting_facts"] = [[f"T{q}_3", 0], [f"T{q}_7", 1], [f"T{q}_3", 1]]
+    (tmp_path / "hotpot_dev_distractor_v1.json").write_text(json.dumps(data))
+    g = TaskGenerator("qa_2", 1024, seed=42, measure=t.measure, wrapper=t.wrapper, qa_data_dir=str(tmp_path))
+    s = g.samples(1)
+    assert s[0].needles == [f"T0_{i}\nSentence 0 {i} a. Sentence 0 {i} b." for i in (3, 7)]
+    assert len(s[0].needle_chars) == 2 and all(s[0].text[a:b] in s[0].needles for a, b in s[0].needle_chars)
 
 
 @pytest.mark.parametrize("name", ["niah_multikey_1", "niah_multiquery"])
 def test_one_key_at_a_time_asks_each_inserted_key_alone(essay, name):
     t = _tokenized("llama-bpe")
-    make = lambda one_key: TaskGenerator(name, 2048, seed=42, measure=t.measure, count=t.count, wrapper=t.wrapper,
+    make = lambda one_key: TaskGenerator(name, 2048, seed=42, measure=t.measure, wrapper=t.wrapper,
                                          essay=essay, one_key_at_a_time=one_key).samples(2)
     for plain, split in zip(make(False), make(True)):
         assert split.context == plain.context and split.needles == plain.needles  # the same draw: the sample is RULER's
@@ -326,3 +336,86 @@ def test_one_key_at_a_time_run_records_each_question_and_resumes(tmp_path, one_t
     before = (tmp_path / "full" / "ruler_samples.jsonl").read_text()
     execute(cfg, tmp_path, overrides)
     assert (tmp_path / "full" / "ruler_samples.jsonl").read_text() == before
+
+
+def test_app_scores_a_scripted_decoder(tmp_path, one_thread, monkeypatch):
+    """Through the app, with a scripted decoder (the decoded text of each sample replaced by a chosen answer):
+    some samples right, some partly, some wrong, at two lengths, so that every task score, per-length average,
+    the headline and the per-length table are numbers worked out here by RULER's rules."""
+    script = {  # (task, length, index) -> what the decoder "says", from the sample's references
+        ("niah_single_1", 1536, 0): lambda refs: f"  {refs[0]}.\n",
+        ("niah_single_1", 1536, 1): lambda refs: "I do not know",
+        ("niah_single_1", 1024, 0): lambda refs: f"The number is {refs[0]}",
+        ("niah_single_1", 1024, 1): lambda refs: f"\t{refs[0]}",
+        ("vt", 1536, 0): lambda refs: " ".join(r.lower() for r in refs),  # RULER's match is case-insensitive
+        ("vt", 1536, 1): lambda refs: ", ".join(refs[:2]),
+        ("vt", 1024, 0): lambda refs: "none",
+        ("vt", 1024, 1): lambda refs: ", ".join(refs[2:]),
+    }
+    original = ruler.RulerTask.record
+
+    def scripted(self, item, built, i, text, answer):
+        name, length, index = item
+        return original(self, item, built, i, script[(name, length, index)](built.data.references), answer)
+
+    monkeypatch.setattr(ruler.RulerTask, "record", scripted)
+    overrides = ["model=tiny-random", "progress=false", "task=ruler", "task.lengths=[1024,1536]", "task.samples=2",
+                 "task.tasks=[niah_single_1,vt]", "methods=[full]"]
+    execute(compose(*overrides), tmp_path, overrides)
+    summary = json.loads((tmp_path / "full" / "results.json").read_text())["summary"]
+    rows = [json.loads(line) for line in (tmp_path / "full" / "ruler_samples.jsonl").read_text().splitlines()]
+    assert all(len(r["references"]) == 5 for r in rows if r["task"] == "vt")
+    # niah (all): 1536: 1 + 0 -> 50; 1024: 1 + 1 -> 100. vt (all, 5 names): 1536: 5/5 + 2/5 -> 70; 1024: 0 + 3/5 -> 30
+    assert summary["by_length"]["1536"]["tasks"] == {"niah_single_1": 50.0, "vt": 70.0}
+    assert summary["by_length"]["1024"]["tasks"] == {"niah_single_1": 100.0, "vt": 30.0}
+    assert summary["by_length"]["1536"]["average"] == 60.0 and summary["by_length"]["1024"]["average"] == 65.0
+    assert summary["tasks"] == {"niah_single_1": 75.0, "vt": 50.0} and summary["main_score"] == summary["average"] == 62.5
+    assert sorted(r["score"] for r in rows if r["task"] == "vt") == [0.0, 40.0, 60.0, 100.0]
+    table = (tmp_path / "full" / "ruler_table.md").read_text()
+    assert "| 1536 | 50.00 | 70.00 | 60.00 |" in table and "| 1024 | 100.00 | 30.00 | 65.00 |" in table
+
+
+@pytest.mark.parametrize("vocab", ["llama-spm", "smollm2"])
+def test_kvpress_split_builds_kvpress_inputs(vocab, essay):
+    """task.split=kvpress: the model input as kvpress's RULER dataset and pipeline build it, written out here from
+    their rules: context = the base input up to the last question-pattern match, question up to the answer pattern
+    (so it ends with RULER's space), answer prefix (no leading space); [chat prefix + context] and [question +
+    chat suffix + answer prefix] tokenized apart; without a chat template the prefix is the BOS text and the
+    suffix "\\n"."""
+    from harness.models import embedded_tokenizer
+
+    questions = {"niah": r"What (?:is|are all) the special magic", "variable_tracking": r"Question: Find all variables"}
+    answers = {"niah": r"The special magic", "variable_tracking": r"Answer:"}
+    if vocab == "smollm2":
+        tok = embedded_tokenizer()
+        render = lambda m: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)  # noqa: E731
+        loaded = SimpleNamespace(tokenizer=tok, chat_format="template", format_chat=render)
+    else:
+        tok = vocab_tokenizer(vocab)
+        loaded = SimpleNamespace(tokenizer=tok, chat_format="none", format_chat=lambda m: m[0]["content"])
+    t = ruler.Tokenized(loaded, "model", "kvpress")
+    base = _tokenized(vocab) if vocab != "smollm2" else None
+    for name in ("niah_single_2", "vt"):
+        family = TASKS[name][0]
+        s = TaskGenerator(name, 2048, seed=42, measure=t.measure, wrapper=t.wrapper, essay=essay).samples(1)[0]
+        if base is not None:  # the samples are RULER's base-template ones (kvpress's data)
+            assert s.text == TaskGenerator(name, 2048, seed=42, measure=base.measure, wrapper=Wrapper(), essay=essay).samples(1)[0].text
+        cut = list(re.finditer(questions[family], s.text))[-1].start()
+        context, rest = s.text[:cut], s.text[cut:]
+        a = re.search(answers[family], rest).start()
+        question, prefix = rest[:a], rest[a:]
+        assert question.endswith(" ") and not prefix.startswith(" ")  # kvpress's first two points
+        if vocab == "smollm2":
+            separator = "#" * (len(context) + 10)
+            head, suffix = render([{"role": "user", "content": context + separator}]).split(separator)
+        else:
+            head, suffix = tok.bos_token + context, "\n"
+        context_ids = tok.encode(head, add_special_tokens=False)
+        expected = context_ids + tok.encode(question + suffix + prefix, add_special_tokens=False)
+        prompt = t.prompt(s)
+        assert prompt.ids == expected and prompt.question_start == len(context_ids), name
+        if vocab != "smollm2":
+            assert prompt.ids[0] == tok.bos_token_id and tok.decode(prompt.ids[len(context_ids):]).startswith(question)
+        for i, needle in enumerate(s.needles[:2]):  # the needle spans still hold the needles' tokens
+            a, b = prompt.spans[f"needle_{i}"]
+            assert needle.split(":")[0].split()[-1] in tok.decode(prompt.ids[a:b])

@@ -41,12 +41,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 from omegaconf import DictConfig, OmegaConf
 
 from harness import REPO_ROOT
 from harness.errors import HarnessError, require
+from harness.tasks.bench.search import search_max_length  # noqa: F401  (the search logic, shared with task=plan)
 from harness.rundir import RunDir, provenance, write_json, write_text
 from harness.tables import _safe
 
@@ -108,38 +108,6 @@ def validate(task: DictConfig) -> None:
 
 
 # ------------------------------------------------------------------------------------ the search logic
-
-def search_max_length(fits: Callable[[int], bool], *, start: int, resolution: int, upper: int) -> dict:
-    """Longest n in (0, upper] with fits(n), for a monotone `fits`: doubling from `start` until a
-    failure (or `upper`), then bisection until the gap between the longest fit and the shortest
-    failure is at most `resolution`. Returns max_length (0 when nothing fits), first_failure (None
-    when `upper` fits), reached_upper, and the probes in order."""
-    probes: list[tuple[int, bool]] = []
-
-    def probe(n: int) -> bool:
-        ok = bool(fits(n))
-        probes.append((n, ok))
-        return ok
-
-    lo, hi = 0, None
-    n = min(int(start), int(upper))
-    while True:
-        if probe(n):
-            lo = n
-            if n >= upper:
-                break
-            n = min(2 * n, int(upper))
-        else:
-            hi = n
-            break
-    if hi is not None:
-        while hi - lo > resolution:
-            mid = lo + (hi - lo) // 2
-            if probe(mid):
-                lo = mid
-            else:
-                hi = mid
-    return {"max_length": lo, "first_failure": hi, "reached_upper": hi is None, "probes": probes}
 
 
 # --------------------------------------------------------------------------------------------- runners
@@ -408,8 +376,20 @@ def prepare_and_run(cfg: DictConfig, run_dir: RunDir) -> dict:
             runner.close()
     rows = [rows_log.records[k] for k in order if k in rows_log]
     table = aggregate(rows, labels, lengths)
+    if task.get("planned_columns", True) and table:  # the plan beside the measured KV bytes and peak (docs/planning.md)
+        from harness.tasks.plan.planner import planned_columns
+
+        planned_columns(table, methods, cfg.model, batch_size=int(task.batch_size), decode_tokens=int(task.decode_tokens),
+                        target=device.type)
     search = None
-    if task.max_length_search:
+    if task.max_length_search and device.type != "cuda" and task.get("search_by", "auto") in ("auto", "plan"):
+        from harness.tasks.plan.planner import planned_search  # no GPU here: the search is planned, not measured
+
+        search = planned_search(cfg, methods, reserve_gb=float(task.get("plan_reserve_gb", 2.0)))
+        full = next((s["max_length"] for label, s in search["methods"].items() if methods[label].get("name") == "full"), None)
+        for s in search["methods"].values():
+            s["vs_full"] = _ratio(s["max_length"], full)
+    elif task.max_length_search:
         search = run_search(cfg, run_dir, methods, base_init, isolation, device.type, failures)
     summary = summarize(table, labels, lengths, isolation, rows, search)
     summary["failed_measurements"] = len(failures)
@@ -529,6 +509,7 @@ def summarize(table: list[dict], labels: list[str], lengths: list[int], isolatio
             k: e.get(k) for k in ("prefill_s", "compress_s", "compress_capture_s", "compress_select_s", "compress_pct_of_full_prefill", "prefill_overhead_pct", "decode_median_ms",
                               "decode_p90_ms", "decode_ms_per_token", "decode_tokens_per_s", "decode_vs_full", "decode_vs_full_at_budget_length",
                               "kv_bytes", "kv_bytes_analytic", "kv_full_over_this", "peak_increase_bytes", "peak_vs_full",
+                              "kv_bytes_planned", "peak_bytes_planned", "peak_increase_bytes_planned",
                               "prefill_cpu_s", "compress_cpu_s", "compress_cpu_pct_of_full_prefill", "prefill_cpu_overhead_pct",
                               "decode_cpu_median_ms", "decode_cpu_vs_full", "decode_cpu_vs_full_at_budget_length")}
     summary["by_method"] = by_label
@@ -641,8 +622,9 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
             "tensors leave the resident set at once (see harness/tasks/bench/worker.py)." if table and table[0].get("prefill_mmap_threshold") else ""),
         "",
         "| method | prompt | prefill s | compress s: capture + select (% full prefill) | prefill vs full | decode ms/step median | p90 | ms/token "
-        "| tok/s | decode × full | decode × full@budget | KV MB | heads × kept | KV full ÷ this | peak +MB | peak × full |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tok/s | decode × full | decode × full@budget | KV MB | heads × kept | KV full ÷ this | peak +MB | peak × full "
+        "| planned: KV MB / peak +MB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in table:
         kv = f"{e['kv_bytes'] / MB:.1f} {'✓' if e['kv_matches_analytic'] else '≠ ' + _f(e['kv_bytes_analytic'] / MB, '{:.1f}')}"
@@ -652,7 +634,7 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
             f"| {_f(e['prefill_overhead_pct'], '{:+.1f}%')} | {_f(e['decode_median_ms'], '{:.1f}')} | {_f(e['decode_p90_ms'], '{:.1f}')} "
             f"| {_f(e.get('decode_ms_per_token'), '{:.1f}')} | {_f(e['decode_tokens_per_s'], '{:.1f}')} | {_f(e['decode_vs_full'], '{:.2f}x')} | {_f(e['decode_vs_full_at_budget_length'], '{:.2f}x')} "
             f"| {kv} | {heads_kept} | {_f(e['kv_full_over_this'], '{:.2f}x')} | {_f(e['peak_increase_bytes'] and e['peak_increase_bytes'] / MB, '{:.1f}')} "
-            f"| {_f(e['peak_vs_full'], '{:.2f}x')} |"
+            f"| {_f(e['peak_vs_full'], '{:.2f}x')} | {_planned_cell(e)} |"
         )
     if any(e["decode_cpu_median_ms"] is not None for e in table):
         lines += ["", "CPU time of the measuring process (all its threads) for the same measurements: unlike wall-clock it does "
@@ -671,7 +653,8 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
         lines += ["", f"Highest 1-minute load average seen before a measurement: {summary['loadavg_1m_max']} "
                       f"({os.cpu_count()} CPUs here); a load above the CPU count means other work shared the machine."]
     if search is not None:
-        lines += ["", f"## Maximum prompt length within {search['memory_cap_gb']:g} GB (batch {task.batch_size})", "",
+        lines += ["", f"## Maximum prompt length within {search['memory_cap_gb']:g} GB (batch {task.batch_size})"
+                  + (f": planned (no GPU here; task=plan's peak, reserve {search['reserve_gb']:g} GiB)" if search.get("planned") else ""), "",
                   f"Doubling from {search['start']}, then bisection to {search['resolution']} tokens, at most {search['upper']}.", "",
                   "| method | max prompt tokens | × full | first failure | probes |", "|---|---:|---:|---:|---|"]
         for label, s in search["methods"].items():
@@ -679,6 +662,14 @@ def markdown(table: list[dict], summary: dict, search, cfg: DictConfig, isolatio
             lines.append(f"| {label} | {s['max_length']}{' (upper bound reached)' if s['reached_upper'] else ''} | "
                          f"{_f(s.get('vs_full'), '{:.2f}x')} | {_f(s['first_failure'], '{}')} | {probes} |")
     return "\n".join(lines) + "\n"
+
+
+def _planned_cell(e: dict) -> str:
+    """The plan's KV bytes and peak above the weights (task=plan's tracker; ≥: a value-dependent split planned at its largest)."""
+    if e.get("peak_bytes_planned") is None:
+        return "–"
+    return (f"{_f(e.get('kv_bytes_planned') and e['kv_bytes_planned'] / MB, '{:.1f}')} / "
+            f"{'≤ ' if e.get('plan_bound') else ''}{e['peak_increase_bytes_planned'] / MB:.1f}")
 
 
 def _compress_cell(e: dict) -> str:

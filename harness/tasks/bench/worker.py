@@ -56,18 +56,9 @@ import traceback
 import torch
 
 from harness.decoding import greedy_generate
+from harness.errors import is_out_of_memory
 from harness.methods import build_method, compression
 from harness.methods.engine import attention_modules
-
-OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory", "std::bad_alloc")
-
-
-def is_oom(exc: BaseException) -> bool:
-    """True for every way running out of memory shows up: CUDA OOM, a failed CPU allocation, MemoryError."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in OOM_MARKERS)
-
 
 # ---------------------------------------------------------------------------------------------- memory
 
@@ -543,7 +534,7 @@ class WorkerCore:
                              decode_tokens=int(request["decode_tokens"]), seed=int(request["seed"]),
                              prefill_mmap_threshold=self.init.get("prefill_mmap_threshold"))
         except Exception as exc:  # noqa: BLE001  (reported to the parent, which decides)
-            failure = {"ok": False, "oom": is_oom(exc), "error": f"{type(exc).__name__}: {str(exc).strip()[:400]}",
+            failure = {"ok": False, "oom": is_out_of_memory(exc), "error": f"{type(exc).__name__}: {str(exc).strip()[:400]}",
                        "traceback": traceback.format_exc(limit=4)[-4000:]}
         else:
             result["baseline_bytes"] = int(self.baseline_bytes)

@@ -418,7 +418,13 @@ def question_start(dataset: str, row: dict, ids: list[int], tokenizer, templates
     suffix with whitespace only (Llama-3's ".\n\n") stays on the context side. If middle truncation
     cut into the suffix (a suffix longer than half the budget), the surviving end of it is used.
     """
-    suffix = template_suffix(dataset, row, templates)
+    return suffix_start(ids, tokenizer, template_suffix(dataset, row, templates))
+
+
+def suffix_start(ids: list[int], tokenizer, suffix: str) -> int:
+    """Index in `ids` where the text `suffix` (the prompt's text after its context) begins; the rule of
+    `question_start`, for any prompt whose question part is a known text (LongBench-v2 and the other field
+    benchmarks use it too)."""
     n = len(ids)
     target = _squash(suffix)
     if not target:

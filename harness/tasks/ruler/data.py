@@ -11,9 +11,9 @@ and noise sentences. What follows RULER's rules:
 - the haystack size fitted by RULER's HEAD search: an estimate from one sample, a binary search over
   [incremental, max(3 x estimate, 2 x incremental)] (cwe: 2 x), each probe a fresh draw, then per
   sample the largest size that fits, minus `incremental` per retry. A sample fits when its prompt
-  (chat wrapper and answer prefix included) plus tokens_to_generate is at most the length; our count
-  is the model input's own token ids, so a BOS the tokenizer adds is counted (RULER's count omits
-  it: our prompts are at most one token shorter). RULER's retry loop never ends when even the
+  (chat wrapper and answer prefix included) plus tokens_to_generate is at most the length, counted
+  as RULER counts: `tokenizer.tokenize(text)`, no BOS (a tokenizer that adds one makes the model
+  input one token longer than the count, as in RULER). RULER's retry loop never ends when even the
   smallest haystack overflows; ours stops after a few tries with one error line;
 - word lists from `wonderwords==2.2.0` (RULER's; 3.x drops nouns and changes every draw). The
   6,175,260 "adjective-noun" keys are indexed without building the list (`AdjNounKeys`);
@@ -111,6 +111,11 @@ QUESTION_PATTERNS = {
     "qa": r"Answer the question based on the given documents\.",
 }
 
+# Where kvpress's dataset cuts the answer prefix off the question (create_huggingface_dataset.py: the first match
+# after the question start), so its question keeps RULER's trailing space and its answer prefix has no leading one.
+ANSWER_PATTERNS = {"niah": r"The special magic", "variable_tracking": r"Answer:", "common_words_extraction": r"Answer:",
+                   "freq_words_extraction": r"Answer:", "qa": r"Answer:"}
+
 # The qa files, by RULER's download script's names first, then the datasets' own.
 QA_FILES = {"squad": ("squad.json", "dev-v2.0.json"), "hotpotqa": ("hotpotqa.json", "hotpot_dev_distractor_v1.json")}
 
@@ -200,8 +205,9 @@ def split_sentences(text: str) -> list[str]:
 @dataclass
 class Sample:
     """One RULER sample: `text` is the model input (RULER's input + answer prefix), `needles` the
-    inserted strings whose retention is reported (niah needles, vt chain statements, qa gold
-    documents), `context` the haystack text as formatted into the template (it occurs once, last)."""
+    inserted strings whose retention is reported (niah needles, vt chain statements, qa documents that
+    hold the answer: SQuAD's paragraph, HotpotQA's supporting-facts paragraphs), `context` the haystack
+    text as formatted into the template (it occurs once, last)."""
 
     task: str
     index: int
@@ -239,12 +245,12 @@ class _TooLong(Exception):
 class TaskGenerator:
     """One RULER task at one length: `samples(n)` gives RULER's first n samples for this seed.
 
-    `measure(text)`: tokens of the model input made from `text` (the fit); `count(text)`: RULER's
-    `text_to_tokens` count (no special tokens added), for the vt example's own 500-token budget."""
+    `measure(text)`: RULER's `text_to_tokens` count of `text` (no special tokens added): the fit, and the
+    vt example's own 500-token budget."""
 
     MAX_TRIES_AT_FLOOR = 20
 
-    def __init__(self, task: str, length: int, *, seed: int, measure: Callable[[str], int], count: Callable[[str], int],
+    def __init__(self, task: str, length: int, *, seed: int, measure: Callable[[str], int],
                  wrapper: Wrapper, essay: str | None = None, qa_data_dir: str | None = None, words=None,
                  one_key_at_a_time: bool = False):
         require(task in TASKS, f"task.tasks: unknown RULER task {task!r}; known: {', '.join(TASKS)}")
@@ -252,7 +258,7 @@ class TaskGenerator:
         self.one_key_at_a_time = bool(one_key_at_a_time)
         self.family, args = TASKS[task]
         self.args = dict(args)  # a copy: niah raises nk to nq for this generator only
-        self.measure, self.count = measure, count
+        self.measure = measure
         raw_template, raw_prefix, self.tokens_to_generate = TEMPLATES[self.family]
         self.raw_template = raw_template
         self.prefix_template = raw_prefix
@@ -269,12 +275,12 @@ class TaskGenerator:
         return self.measure(text) + extra + self.tokens_to_generate <= self.length
 
     def _search(self, make, incremental: int, *, estimate_units: int | None = None, factor: int = 3, extra: int = 0,
-                budget: int | None = None, fits=None, measure=None) -> int:
+                budget: int | None = None, fits=None) -> int:
         """RULER's HEAD fit: estimate tokens per unit from one sample, then binary-search the count."""
         budget = self.length if budget is None else budget
         fits = fits or (lambda text: self._fits(text, extra))
         units = estimate_units or incremental
-        per_unit = (measure or self.measure)(make(units)[0]) / units
+        per_unit = self.measure(make(units)[0]) / units
         if factor == 2:  # cwe: int(max_seq_length // tokens_per_word) * 2
             upper = int(budget // per_unit) * 2
         else:
@@ -463,11 +469,11 @@ class TaskGenerator:
     def _samples_variable_tracking(self, n: int) -> list[Sample]:
         # The one-shot example: RULER's first pass, 500 tokens, 3-letter names, value 12345, no chat wrapper.
         icl = lambda m: self._vt(m, is_icl=True)  # noqa: E731
-        fits_500 = lambda text: self.count(text) <= 500  # noqa: E731
-        size = self._search(icl, 5, budget=500, fits=fits_500, measure=self.count)
+        fits_500 = lambda text: self.measure(text) <= 500  # noqa: E731
+        size = self._search(icl, 5, budget=500, fits=fits_500)
         ex_text, ex_names, *_ = self._fitted(icl, size, 5, fits=fits_500)
         example = ex_text + " " + " ".join(ex_names) + "\n"
-        example_tokens = self.count(example)
+        example_tokens = self.measure(example)
         size = self._search(self._vt, self.incremental, extra=example_tokens)
         cut_at = self.raw_template[:20]
 
@@ -567,7 +573,9 @@ class TaskGenerator:
             docs = [self.docs[i] for i in picked]
         else:
             docs = (self.docs * (-(-num_docs // len(self.docs))))[:num_docs]
-        gold_docs = [self.docs[i] for i in gold]
+        # retention spans: the documents that hold the answer (SQuAD: the question's paragraph; HotpotQA: the
+        # supporting facts' titles), not RULER's `context` list, which for HotpotQA is all 10 paragraphs
+        gold_docs = [self.docs[i] for i in qa.get("supporting", gold)]
         random.Random(self.seed).shuffle(docs)
         context = "\n\n".join(DOCUMENT.format(i=i + 1, document=d) for i, d in enumerate(docs))
         text = self.template.format(context=context, query=qa["query"])
@@ -620,6 +628,12 @@ def read_qa(qa_data_dir: str | None, dataset: str) -> tuple[list[dict], list[str
         return qas, docs
     docs = sorted({f"{t}\n{''.join(p)}" for d in data for t, p in d["context"]})
     where = {c: i for i, c in enumerate(docs)}
-    qas = [{"query": d["question"], "outputs": [d["answer"]], "context": [where[f"{t}\n{''.join(p)}"] for t, p in d["context"]]}
-           for d in data]
+    qas = []
+    for d in data:
+        ids = [where[f"{t}\n{''.join(p)}"] for t, p in d["context"]]
+        titles = {fact[0] for fact in d.get("supporting_facts") or []}
+        qa = {"query": d["question"], "outputs": [d["answer"]], "context": ids}
+        if titles:  # the distractor file names the paragraphs that hold the answer; without them, all 10 count
+            qa["supporting"] = [i for i, (t, _) in zip(ids, d["context"]) if t in titles]
+        qas.append(qa)
     return qas, docs

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import re
 
 from omegaconf import DictConfig
 
@@ -35,7 +36,8 @@ from harness.tasks import contract
 from harness.generation.prompt import Prompt, Question
 from harness.tables import _mean
 from harness.tasks.contract import Built, GenerationTask
-from harness.tasks.ruler.data import ALL_TASKS, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper, qa_files, QA_FILES
+from harness.tasks.ruler.data import (ALL_TASKS, ANSWER_PATTERNS, QA_FILES, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper,
+                                     qa_files)
 from metrics.ruler import metric_for, postprocess_pred, sample_score
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")  # both applied (harness.app.check_protocol)
 GRID_KEYS = ("tasks", "lengths", "samples")  # which items run: a run directory takes another grid (rundir)
 TEMPLATES = ("model", "base")
+SPLITS = ("ruler", "kvpress")
 TABLE_FILE = "ruler_table.md"  # per setting: tasks x lengths and the average (the report compares settings)
 SENTINEL = "\x00RULER\x00"
 ESSAY_TASKS = tuple(t for t, (fam, a) in TASKS.items() if fam == "niah" and a["haystack"] == "essay")
@@ -70,6 +73,8 @@ def validate(task: DictConfig) -> None:
             require(qa_files(task.get("qa_data_dir"), dataset) is not None,
                     f"RULER {name} needs {' or '.join(QA_FILES[dataset])} in task.qa_data_dir (now {task.get('qa_data_dir')!r}); "
                     "download it or leave qa_1/qa_2 out of task.tasks")
+    split = task.get("split")
+    require(split is None or str(split) in SPLITS, f"task.split={split!r} is not one of {', '.join(SPLITS)} (or null: ruler)")
     one_key = task.get("one_key_at_a_time")
     require(one_key in (None, True, False), f"task.one_key_at_a_time={one_key!r}: give true or false")
     if any(n in ESSAY_TASKS for n in names):
@@ -92,31 +97,44 @@ def essay_text(task: DictConfig) -> str:
 
 
 class Tokenized:
-    """The model input of a sample: token ids (one tokenization of the whole text, as RULER's) and the
-    character -> token mapping for the split and the needle spans."""
+    """The model input of a sample: token ids and the character -> token mapping for the split and the needle
+    spans. `split="ruler"`: RULER's input (wrapper, template, answer prefix) tokenized as one text.
+    `split="kvpress"`: kvpress's RULER dataset and pipeline (create_huggingface_dataset.py,
+    KVPressTextGenerationPipeline.preprocess): the samples are RULER's `base` ones (no wrapper: its data),
+    cut into context (before the last question-pattern match), question (up to the answer pattern, so it
+    keeps RULER's trailing space) and answer prefix (no leading space); the model input is
+    [chat-template prefix + context] then [question + the template's suffix + answer prefix], the two
+    tokenized apart; without a chat template (model.chat_format other than `template`) the prefix is the
+    BOS text and the suffix "\n"."""
 
-    def __init__(self, loaded: LoadedModel, template: str):
+    def __init__(self, loaded: LoadedModel, template: str, split: str = "ruler"):
         self.tok = loaded.tokenizer
-        if template == "base":
+        self.kvpress = split == "kvpress"
+        if template == "base" or self.kvpress:
             self.wrapper, self.add_special = Wrapper(), True
         else:
             before, after = loaded.format_chat([{"role": "user", "content": SENTINEL}]).split(SENTINEL)
             self.wrapper, self.add_special = Wrapper(before, after), loaded.chat_format != "template"
+        if self.kvpress:
+            if loaded.chat_format == "template":
+                self.context_prefix, self.question_suffix = loaded.format_chat([{"role": "user", "content": SENTINEL}]).split(SENTINEL)
+            else:
+                self.context_prefix, self.question_suffix = getattr(self.tok, "bos_token", None) or "", "\n"
 
     def measure(self, text: str) -> int:
-        return len(self.tok(text, add_special_tokens=self.add_special)["input_ids"])
-
-    def count(self, text: str) -> int:
-        return len(self.tok(text, add_special_tokens=False)["input_ids"])
+        """RULER's count (`text_to_tokens`: `tokenizer.tokenize(text)`): no BOS or other special token added,
+        whatever the model input adds, so that the fit, its retries and the random stream are RULER's."""
+        return len(self.tok.tokenize(text))
 
     def prompt(self, s: Sample) -> Prompt:
-        prompt = self._one(s.text, s.question_start, s.needle_chars)
+        family = TASKS[s.task][0]
+        prompt = self._one(s.text, s.question_start, s.needle_chars, family)
         if not s.questions:
             return prompt
         # several keys asked one at a time: the context's tokens (those before the question) are the same in each
         start, questions = prompt.question_start, []
         for text, _ in s.questions:
-            ids = self._one(text, s.question_start, []).ids
+            ids = self._one(text, s.question_start, [], family).ids
             if ids[:start] != prompt.ids[:start]:
                 raise HarnessError(f"RULER {s.task}: the one-key questions tokenize the context differently; "
                                    "run it with task.one_key_at_a_time=false")
@@ -124,18 +142,28 @@ class Tokenized:
         spans = {k: v for k, v in prompt.spans.items() if k != "question"}
         return Prompt(prompt.ids[:start], spans=spans, questions=questions)
 
-    def _one(self, text: str, question_char: int, needle_chars) -> Prompt:
+    def _one(self, text: str, question_char: int, needle_chars, family: str = "niah") -> Prompt:
+        tail: list[int] = []
+        if self.kvpress:  # [prefix + context] and [question + suffix + answer prefix], tokenized apart
+            rest = text[question_char:]
+            cut = re.search(ANSWER_PATTERNS[family], rest).start()
+            tail = self.tok(rest[:cut] + self.question_suffix + rest[cut:], add_special_tokens=False)["input_ids"]
+            shift = len(self.context_prefix)
+            text, question_char = self.context_prefix + text[:question_char], question_char + shift
+            needle_chars = [(a + shift, b + shift) for a, b in needle_chars]
         try:
-            enc = self.tok(text, add_special_tokens=self.add_special, return_offsets_mapping=True)
+            enc = self.tok(text, add_special_tokens=self.add_special and not self.kvpress, return_offsets_mapping=True)
         except (NotImplementedError, ValueError, TypeError) as exc:
             raise HarnessError(f"task=ruler needs a tokenizer with character offsets (a fast tokenizer) to place the "
                                f"needle spans and the question split; {type(self.tok).__name__} has none ({exc})") from None
-        ids, ends = list(enc["input_ids"]), [int(b) for _, b in enc["offset_mapping"]]
+        ids, ends = list(enc["input_ids"]) + list(tail), [int(b) for _, b in enc["offset_mapping"]]
+        if self.kvpress:
+            ends += [ends[-1] if ends else 0] * len(tail)  # the question's tokens: after the context, past question_char
 
         def token_at(c: int) -> int:  # the token holding character c (the first token ending after it)
             return bisect.bisect_right(ends, c)
 
-        question = token_at(question_char)
+        question = len(ids) - len(tail) if self.kvpress else token_at(question_char)
         spans = {f"needle_{i}": (token_at(a), min(len(ids), bisect.bisect_left(ends, b) + 1)) for i, (a, b) in enumerate(needle_chars)}
         spans["question"] = (question, len(ids))
         return Prompt(ids, question, spans)
@@ -155,7 +183,8 @@ class RulerTask(GenerationTask):
         if loaded.max_positions:
             require(max(self.lengths) <= loaded.max_positions,
                     f"task.lengths: {max(self.lengths)} exceeds {loaded.name}'s {loaded.max_positions} positions")
-        self.tokenized = Tokenized(loaded, str(task.template))
+        self.split = str(task.get("split") or "ruler")
+        self.tokenized = Tokenized(loaded, str(task.template), self.split)
         self.essay = essay_text(task) if any(n in ESSAY_TASKS for n in self.names) else None
         self.generated: dict[tuple[str, int], list[Sample]] = {}
         self.csv_columns = ("task", "length", "index", *(("question_index",) if self.one_key else ()), "protocol", "score",
@@ -172,7 +201,7 @@ class RulerTask(GenerationTask):
 
     def sample(self, name: str, length: int, index: int) -> Sample:
         if (name, length) not in self.generated:  # RULER's first `samples` samples of this task and length, in order
-            gen = TaskGenerator(name, length, seed=self.seed, measure=self.tokenized.measure, count=self.tokenized.count,
+            gen = TaskGenerator(name, length, seed=self.seed, measure=self.tokenized.measure,
                                 wrapper=self.tokenized.wrapper, essay=self.essay, qa_data_dir=self.task.get("qa_data_dir"),
                                 one_key_at_a_time=self.one_key)
             self.generated[(name, length)] = gen.samples(self.samples)
@@ -205,7 +234,7 @@ class RulerTask(GenerationTask):
 
     def summarize(self, rows: list[dict]) -> dict:
         summary = summarize(rows, self.names, self.lengths)
-        summary.update(template=str(self.task.template), seed=self.seed, samples_per_task=self.samples,
+        summary.update(template=str(self.task.template), split=self.split, seed=self.seed, samples_per_task=self.samples,
                        one_key_at_a_time=self.one_key, tokenizer=getattr(self.loaded.tokenizer, "name_or_path", None))
         return summary
 

@@ -1,0 +1,126 @@
+"""The field benchmarks' tables (longbench_v2, infinitebench, scbench): every setting's scores in the authors' layout,
+and each compressed setting against the full cache on the same items (paired 95% bootstrap interval of the per-item
+difference, harness/stats.py). A run writes them to its run directory as `<name>_table.md` (`markdown`, from its own
+settings); `python -m harness.report` writes `<name>.md` in the table set (`report`, from every collected run, the runs
+grouped by harness.results.pair_key: same model, task settings and protocol).
+
+A task hands over, per setting tag, its rows (each with its per-item `score`, None when the item does not count) and a
+function giving each row's group(s); the columns are the benchmark's groups in the authors' order. Only items both
+settings scored are paired.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Iterable
+
+from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, bootstrap_mean_ci
+
+FULL = "full"
+
+
+def full_tag(settings) -> str | None:
+    """The tag of the run's full-cache setting (method name `full`), if one ran."""
+    for s in settings:
+        if getattr(s.method, "name", None) == FULL or s.tag == FULL:
+            return s.tag
+    return None
+
+
+def paired(rows: dict[str, list[dict]], reference: str, key: Callable[[dict], tuple], score: Callable[[dict], float | None],
+           groups: Callable[[dict], Iterable[str]], columns: list[str], *, n_resamples: int = DEFAULT_RESAMPLES,
+           seed: int = DEFAULT_SEED) -> dict[str, dict[str, dict]]:
+    """{tag: {group: {"delta", "low", "high", "n"}}} (x 100) of every tag but `reference`: per-item score minus the
+    reference's on the items both scored (score not None), per group."""
+    ref = {key(r): r for r in rows[reference]}
+    out: dict[str, dict[str, dict]] = {}
+    for tag, recs in rows.items():
+        if tag == reference:
+            continue
+        diffs: dict[str, list[float]] = {c: [] for c in columns}
+        for r in recs:
+            other = ref.get(key(r))
+            if other is None or score(r) is None or score(other) is None:
+                continue
+            for g in groups(r):
+                if g in diffs:
+                    diffs[g].append(100.0 * (score(r) - score(other)))
+        out[tag] = {}
+        for g, d in diffs.items():
+            if d:
+                ci = bootstrap_mean_ci(d, n_resamples=n_resamples, seed=seed)
+                out[tag][g] = {"delta": round(ci.estimate, 2), "low": round(ci.low, 2), "high": round(ci.high, 2), "n": ci.n}
+    return out
+
+
+def _cell(v, digits: int = 1) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def markdown(title: str, columns: list[str], scores: dict[str, dict[str, float | None]], deltas: dict[str, dict[str, dict]],
+             reference: str | None, notes: list[str], digits: int = 1) -> str:
+    """Scores per setting (the authors' columns), then each setting minus the full cache with its interval."""
+    lines = [f"## {title}", "", "| Setting | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    for tag, row in scores.items():
+        lines.append(f"| {tag} | " + " | ".join(_cell(row.get(c), digits) for c in columns) + " |")
+    if reference and deltas:
+        lines += ["", f"Minus `{reference}` on the same items (points; paired 95% bootstrap interval, n items):", "",
+                  "| Setting | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+        for tag, by_group in deltas.items():
+            cells = [(f"{d['delta']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}] n={d['n']}" if (d := by_group.get(c)) else "–")
+                     for c in columns]
+            lines.append(f"| {tag} | " + " | ".join(cells) + " |")
+    elif not reference:
+        lines += ["", "No `full` setting in this run: no paired differences (add `full` to methods=[...])."]
+    lines += [""] + notes + [""]
+    return "\n".join(lines)
+
+
+def grouped(rows: list[dict], groups: Callable[[dict], Iterable[str]], columns: list[str], digits: int,
+            strict: bool) -> dict[str, float | None]:
+    """100 x the mean `score` per column. Items scored None are left out; with `strict` a column holding one is None
+    instead (the official scorer raised there)."""
+    out: dict[str, float | None] = {}
+    for c in columns:
+        values = [r.get("score") for r in rows if c in groups(r)]
+        kept = [v for v in values if v is not None]
+        out[c] = None if not kept or (strict and len(kept) < len(values)) else round(100 * sum(kept) / len(kept), digits)
+    return out
+
+
+def report(runs, out: Path, options, *, name: str, title: str, views, key, digits: int, strict: bool):
+    """The table set's `<name>.md`: per group of comparable runs (model, protocol, task settings), one table per view
+    `(subtitle, select(row) -> bool, columns, groups(row))`, each setting's scores then its difference to `full`."""
+    from harness.results import method_name, pair_key
+    from harness.tables import Tables
+
+    by_key: dict[str, list] = {}
+    for run in runs:
+        by_key.setdefault(pair_key(run), []).append(run)
+    parts = []
+    for members in by_key.values():
+        members.sort(key=lambda r: (method_name(r) != FULL, r.rel))
+        tag = {r.rel: str(r.data.get("method_tag") or r.rel) for r in members}
+        full = next((r for r in members if method_name(r) == FULL), None)
+        reference = tag[full.rel] if full else None
+        model = members[0].model.get("name", "?")
+        for subtitle, select, columns, groups in views:
+            rows = {tag[r.rel]: [x for x in r.data.get("rows") or [] if isinstance(x, dict) and select(x)] for r in members}
+            deltas = (paired(rows, reference, key, lambda r: r.get("score"), groups, columns, n_resamples=options.resamples,
+                             seed=options.seed) if reference else {})
+            scores = {t: grouped(rs, groups, columns, digits, strict) for t, rs in rows.items()}
+            parts.append(markdown(f"{title} · {model} · {members[0].protocol}{subtitle}", columns, scores, deltas, reference,
+                                  [f"Runs: {', '.join(r.rel for r in members)}."], digits))
+        for r in members:
+            r.used_in.append(name)
+    if not parts:
+        return Tables()
+    text = "\n".join(parts)
+    (Path(out) / f"{name}.md").write_text(text, encoding="utf-8")
+    return Tables([(f"{name}.md", text)])
+
+
+def write(run_dir: Path, name: str, text: str) -> Path:
+    path = Path(run_dir) / f"{name}_table.md"
+    path.write_text(text, encoding="utf-8")
+    return path

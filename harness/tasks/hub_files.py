@@ -1,0 +1,44 @@
+"""The official data files of a hub dataset: from `task.data_dir` (offline) or downloaded by id (huggingface_hub).
+
+Every field benchmark (longbench_v2, infinitebench, ...) names its files as they are on the hub; a folder given
+as `task.data_dir` holds those files under the same names. A download that fails (offline, no such repository)
+ends in one line saying what to download and where to put it.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from harness.errors import HarnessError
+
+
+def data_file(task: DictConfig, filename: str, what: str) -> tuple[Path, str]:
+    """(path of `filename`, its origin for the results: "task.data_dir" or "hub:<repo>/<filename>")."""
+    if task.get("data_dir"):
+        folder = Path(str(task.data_dir)).expanduser()
+        if not folder.is_dir():
+            raise HarnessError(f"task.data_dir={folder} is not a folder; give the folder holding {what}'s {filename}")
+        path = folder / filename
+        if not path.is_file():
+            raise HarnessError(f"{path} is missing; task.data_dir must hold {what}'s official files ({filename})")
+        return path, "task.data_dir"
+    repo = str(task.hub_repo)
+    return hub_file(repo, filename), f"hub:{repo}/{filename}"
+
+
+@lru_cache(maxsize=64)
+def hub_file(repo: str, filename: str) -> Path:
+    """One file of a hub dataset, downloaded once into the huggingface_hub cache."""
+    import huggingface_hub
+
+    try:
+        return Path(huggingface_hub.hf_hub_download(repo_id=repo, filename=filename, repo_type="dataset"))
+    except Exception as exc:  # offline, no such repo or file, HTTP error: all end the same way
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise HarnessError(
+            f"{filename} could not be downloaded from the hub dataset {repo} ({type(exc).__name__}: {reason}); download "
+            f"https://huggingface.co/datasets/{repo}/resolve/main/{filename} where the network allows and pass "
+            f"task.data_dir=<the folder holding it>") from None

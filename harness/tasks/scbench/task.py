@@ -1,0 +1,307 @@
+"""SCBench (microsoft/MInference scbench: run_scbench.py, eval_utils.create_scdq_prompt / create_multiturn_prompt,
+GreedySearch.test_scdq / test, compute_scores.py), both shared-context modes from one run (`task.modes`), each an item
+of its own over one compressed context:
+
+- multi_request (--same_context_different_query): the context prompt is the task's scdq template rendered in the chat
+  template up to the user message's end (the authors split the rendered text at a delimiter); each query is the text
+  after the delimiter in a chat of an empty system message and the delimiter + the query. Context tokens are
+  `tok.encode(text)` (special tokens on top of the template's own, as the authors), middle-truncated to
+  `max_seq_length - max_new_tokens * turns - 1000`; queries `encode(query, add_special_tokens=False)`.
+- multi_turn (the default mode, golden context): turn 1 is the context and the first query in one user message
+  (multiturn_templates), truncated to `max_seq_length - max_new_tokens * turns`; turn i > 1 is
+  `[system "", assistant: <turn i-1's GOLD answer>, user: <query i>]` rendered with the generation prompt, its empty-system
+  prefix cut off. The authors' decoding keeps every prompt in the cache and drops every generated token (a temporary
+  cache), so turn i is answered after the compressed context + turn 1's query + the gold follow-ups 2..i.
+
+Both are the harness's query-agnostic many-questions protocol (`task.query_aware` must be false): the context is
+prefilled and compressed once per item and mode, every question prefilled on top of it, uncompressed, and answered
+greedily with at most DATA_NAME_TO_MAX_NEW_TOKENS; in multi_turn question i holds turn 1's query and the follow-ups up to
+i. One named difference: turn 1's query is prefilled after compression (the text after `{context}` in its template),
+where the authors compress it with the context. Answers are decoded with their special tokens (as the authors) and
+scored per turn by metrics/scbench.py (`task.scorer`: official | corrected). Not provided: scbench_repoqa (tree-sitter scoring) and the mixed tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from harness.errors import HarnessError, require
+from harness.generation.prompt import Prompt, Question
+from harness.models import LoadedModel
+from harness.tasks import contract, field_tables
+from harness.tasks.contract import Built, GenerationTask
+from harness.tasks.hub_files import data_file
+from harness.tasks.longbench.data import suffix_start
+from metrics.scbench import SCORERS, TASKS, score_one
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
+GRID_KEYS = ("tasks", "limit", "modes")  # not max_turns: the context budget depends on the turn count
+MODES = ("multi_request", "multi_turn")
+DELIMITER = "[SEPSEPSEP]"
+SCORED = tuple(t for t in TASKS if t != "scbench_passkey")  # passkey is only a part of summary_with_needles
+
+
+@lru_cache(maxsize=1)
+def templates() -> dict:
+    return json.loads(resources.files("metrics").joinpath("data", "scbench", "templates.json").read_text(encoding="utf-8"))
+
+
+def ground_truth(turn: dict, task: str):
+    """eval_utils.get_ground_truth: choice [answer, letter], qa_eng [answer], else the answer as stored."""
+    if task == "scbench_choice_eng":
+        return [turn["answer"], "ABCD"[turn["options"].index(turn["answer"])]]
+    if task == "scbench_qa_eng":
+        return [turn["answer"]]
+    return turn["answer"]
+
+
+def texts(row: dict, task: str) -> tuple[str, list[str]]:
+    """create_scdq_prompt before the chat template: (context prompt, query prompts)."""
+    context_t, query_t = templates()["context_templates"][task], templates()["query_templates"][task]
+    turns = row["multi_turns"]
+    if isinstance(context_t, list):  # choice / qa: (context part, question part)
+        queries = [context_t[1].format(question=t["input"], **{f"OPTION_{c}": (t.get("options") or ["", "", "", ""])[i]
+                                                              for i, c in enumerate("ABCD")}) for t in turns]
+        return context_t[0].format(context=row["context"]), queries
+    if task == "scbench_mf":
+        queries = []
+        for t in turns:
+            found = re.findall(r"The .+ is", t["input"])
+            require(found, f"SCBench scbench_mf item {row.get('id')}: no 'The ... is' in a turn's input")
+            queries.append(query_t.format(prefix=f"What is {found[0].lower()[:-3]}?", input=t["input"]))
+        return context_t.format(prefix=turns[0]["input"], context=row["context"]), queries
+    return context_t.format(context=row.get("context", row.get("input"))), [t["input"] for t in turns]
+
+
+def turn_fields(turn: dict, task: str) -> dict:
+    """The template values of one turn (create_multiturn_prompt)."""
+    out = {"input": turn["input"], "question": turn["input"]}
+    if task == "scbench_choice_eng":
+        out.update({f"OPTION_{c}": turn["options"][i] for i, c in enumerate("ABCD")})
+    if task == "scbench_mf":
+        found = re.findall(r"The .+ is", turn["input"])
+        require(found, "SCBench scbench_mf: no 'The ... is' in a turn's input")
+        out["prefix"] = f"What is {found[0].lower()[:-3]}?"
+    return out
+
+
+def multiturn_texts(tokenizer, row: dict, task: str) -> tuple[str, str, list[str]]:
+    """create_multiturn_prompt with the chat template and the golden context: (first turn's text, its text after the
+    context, the follow-up texts of turns 2..n)."""
+    turns, first_t = row["multi_turns"], templates()["multiturn_templates"][task]
+    values = turn_fields(turns[0], task)
+    first = tokenizer.apply_chat_template([{"role": "user", "content": first_t.format(context=row["context"], **values)}],
+                                          add_generation_prompt=True, tokenize=False)
+    tail = first_t.split("{context}", 1)[1].format(**values)
+    system = tokenizer.apply_chat_template([{"role": "system", "content": ""}], add_generation_prompt=True, tokenize=False)
+    follow = [tokenizer.apply_chat_template(
+        [{"role": "system", "content": ""}, {"role": "assistant", "content": str(turns[i - 1]["answer"])},
+         {"role": "user", "content": templates()["query_templates"][task].format(**turn_fields(turns[i], task))}],
+        add_generation_prompt=True, tokenize=False).replace(system, "") for i in range(1, len(turns))]
+    return first, tail, follow
+
+
+def chat_parts(tokenizer, context: str, queries: list[str], use_chat_template: bool) -> tuple[str, list[str]]:
+    if not use_chat_template:
+        return context, queries
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": context + DELIMITER}], add_generation_prompt=True, tokenize=False)
+    return rendered.split(DELIMITER)[0], [
+        tokenizer.apply_chat_template([{"role": "system", "content": ""}, {"role": "user", "content": DELIMITER + q}],
+                                      add_generation_prompt=True, tokenize=False).split(DELIMITER)[1] for q in queries]
+
+
+def truncate_ids(ids: list[int], max_length: int) -> list[int]:
+    if max_length < 0 or len(ids) <= max_length:
+        return ids
+    half = max_length // 2
+    return ids[:half] + ids[-half:]
+
+
+def check_row(row, task: str, where: str) -> dict:
+    require(isinstance(row, dict) and isinstance(row.get("multi_turns"), list) and row["multi_turns"],
+            f"{where}: expected an object with a non-empty `multi_turns` list (SCBench's format)")
+    require("context" in row or "input" in row, f"{where}: missing field context")
+    for k, t in enumerate(row["multi_turns"]):
+        require(isinstance(t, dict) and "input" in t and "answer" in t, f"{where}: multi_turns[{k}] needs input and answer")
+        if task == "scbench_choice_eng":
+            require(t["answer"] in (t.get("options") or []), f"{where}: multi_turns[{k}] answer is not one of its options")
+    return row
+
+
+@lru_cache(maxsize=32)
+def _read(path: str, task: str, _version: tuple) -> tuple[dict, ...]:
+    p = Path(path)
+    if p.suffix == ".parquet":
+        import pandas as pd
+
+        records = json.loads(pd.read_parquet(p).to_json(orient="records", force_ascii=False))
+    else:
+        records = []
+        for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise HarnessError(f"{p}:{number}: not valid JSON ({exc.msg})") from None
+    require(records, f"{p} has no rows")
+    return tuple(check_row(r, task, f"{p} item {i}") for i, r in enumerate(records))
+
+
+def load_rows(task_cfg: DictConfig, task: str) -> tuple[list[dict], str]:
+    """`<task>.jsonl` (eval_utils.DATA_NAME_TO_PATH) from task.data_dir or the hub."""
+    path, origin = data_file(task_cfg, f"{task}.jsonl", "SCBench")
+    st = path.stat()
+    rows = list(_read(str(path), task, (st.st_mtime_ns, st.st_size)))[: task_cfg.get("limit") or None]
+    turns = task_cfg.get("max_turns")
+    return ([{**r, "multi_turns": r["multi_turns"][:turns]} for r in rows] if turns else rows), origin
+
+
+def task_names(task_cfg: DictConfig) -> list[str]:
+    return list(SCORED) if task_cfg.get("tasks") is None else [str(t) for t in task_cfg.tasks]
+
+
+def validate(task_cfg: DictConfig) -> None:
+    names = task_names(task_cfg)
+    require(names, "task.tasks is empty")
+    for n in names:
+        require(n in SCORED, f"task.tasks: {n!r} is not an SCBench task this harness runs ({', '.join(SCORED)}); "
+                             "scbench_repoqa and the mixed tasks are not implemented")
+    modes = list(task_cfg.get("modes") or [])
+    require(modes and all(m in MODES for m in modes) and len(set(modes)) == len(modes),
+            f"task.modes={modes!r}: give one or both of {', '.join(MODES)}")
+    require(task_cfg.get("query_aware") is False,
+            "task=scbench asks every query over one compressed context: set task.query_aware=false")
+    require(task_cfg.get("use_chat_template", True) or modes == ["multi_request"],
+            "task.use_chat_template=false: only the multi_request mode is provided without the chat template")
+    require(task_cfg.get("scorer", "official") in SCORERS, f"task.scorer={task_cfg.get('scorer')!r} is not one of {', '.join(SCORERS)}")
+    turns, limit = task_cfg.get("max_turns"), task_cfg.get("limit")
+    require(turns is None or (isinstance(turns, int) and turns > 0), f"task.max_turns={turns!r} must be a positive count or null")
+    require(limit is None or (isinstance(limit, int) and limit > 0), f"task.limit={limit!r} must be a positive item count or null")
+    for n in names:
+        load_rows(task_cfg, n)
+
+
+class SCBench(GenerationTask):
+    log_name, key_fields, noun = "scbench", ("task", "index", "mode"), "items"
+    csv_columns = ("task", "index", "mode", "question_index", "score", "protocol", "prompt_tokens", "question_start", "truncated",
+                   "new_tokens", "stopped_by", "prediction")
+
+    def __init__(self, cfg: DictConfig, loaded: LoadedModel):
+        super().__init__(cfg, loaded)
+        self.multi_question = True
+        self.names = task_names(self.task)
+        loaded_rows = {n: load_rows(self.task, n) for n in self.names}
+        self.rows = {n: r for n, (r, _) in loaded_rows.items()}
+        self.origin = next(iter(loaded_rows.values()))[1]
+        self.chat = bool(self.task.get("use_chat_template", True))
+        self.max_seq_length = int(self.task.max_seq_length)
+        self.modes = [str(m) for m in self.task.modes]
+        self.scorer = str(self.task.get("scorer", "official"))
+        self.decode = dict(eos_token_ids=loaded.eos_token_ids)
+
+    def items(self) -> list[tuple]:
+        return [(n, i, m) for m in self.modes for n in self.names for i in range(len(self.rows[n]))]
+
+    def questions(self, key) -> int:
+        return len(self.rows[key[0]][key[1]]["multi_turns"])
+
+    def budget(self, name: str, turns: int, mode: str) -> int:
+        """run_scbench.py: max_seq_length - max_new_tokens * turns, minus 1000 in the multi-request mode; capped at the model."""
+        official = self.max_seq_length - templates()["max_new_tokens"][name] * turns - (1000 if mode == "multi_request" else 0)
+        own = self.loaded.prompt_max_length
+        return min(official, int(own)) if own else official
+
+    def build(self, item) -> Built:
+        name, index, mode = item
+        row, tok = self.rows[name][index], self.loaded.tokenizer
+        turns = len(row["multi_turns"])
+        if mode == "multi_request":
+            context, queries = chat_parts(tok, *texts(row, name), self.chat)
+            raw = tok.encode(context)
+            ids = kept = truncate_ids(raw, self.budget(name, turns, mode))
+            asked = [tok.encode(q, add_special_tokens=False) for q in queries]
+        else:
+            first, tail, follow = multiturn_texts(tok, row, name)
+            raw = tok.encode(first)
+            kept = truncate_ids(raw, self.budget(name, turns, mode))
+            start = suffix_start(kept, tok, tail)
+            ids, asked = kept[:start], [kept[start:]]
+            for text in follow:  # turn i: turn 1's query, then the gold follow-ups 2..i
+                asked.append(asked[-1] + tok.encode(text, add_special_tokens=False))
+        questions = [Question(q, {"question": (len(ids), len(ids) + len(q))}) for q in asked]
+        return Built(Prompt(ids, questions=questions), decode={"max_new_tokens": templates()["max_new_tokens"][name]},
+                     data={"raw_prompt_tokens": len(raw), "truncated": len(kept) < len(raw)})
+
+    def record(self, item, built: Built, i: int, text: str, answer) -> dict:
+        name, index, mode = item
+        turn = self.rows[name][index]["multi_turns"][i]
+        label = ground_truth(turn, name)
+        # the authors decode the answer with its special tokens (tokenizer.decode without skip_special_tokens)
+        prediction = self.loaded.tokenizer.decode(answer.generation.tokens[0])
+        try:
+            score, error = score_one(name, prediction, label, self.scorer), None
+        except (TypeError, ValueError) as exc:  # the official scorer raises here (e.g. a list label for a substring test)
+            score, error = None, f"{type(exc).__name__}: {exc}"
+        return {"task": name, "index": index, "id": self.rows[name][index].get("id", index), "turn_idx": i,
+                "prediction": prediction, "ground_truth": label, "score": score, "score_error": error, "mode": mode,
+                "raw_prompt_tokens": built.data["raw_prompt_tokens"], "truncated": built.data["truncated"]}
+
+    def summarize(self, rows: list[dict]) -> dict:
+        """Per mode: each task's score over all turns and per turn (100 x the mean); None where the official scorer raised."""
+        out: dict = {"score_name": "scbench", "main_score": None, "modes": self.modes, "scorer_errors": {},
+                     "use_chat_template": self.chat, "scorer": self.scorer, "data": self.origin, "max_seq_length": self.max_seq_length,
+                     "turns": len(rows), "sampling": "greedy (GreedySearch)", "turn1_query": "prefilled after compression"}
+        for mode in self.modes:
+            by_task, by_turn = {}, {}
+            for n in self.names:
+                mine = [r for r in rows if r["task"] == n and r["mode"] == mode]
+                bad = [r for r in mine if r["score_error"]]
+                if bad:
+                    out["scorer_errors"][f"{mode}/{n}"] = f"{len(bad)} turn(s): {bad[0]['score_error']}"
+                ok = bool(mine) and not bad
+                by_task[n] = _pct([r["score"] for r in mine]) if ok else None
+                by_turn[n] = {str(t): (_pct([r["score"] for r in mine if r["turn_idx"] == t]) if ok else None)
+                              for t in sorted({r["turn_idx"] for r in mine})}
+            out[mode] = {"scores": by_task, "by_turn": by_turn}
+        return out
+
+
+def _pct(values: list[float]) -> float:
+    return round(100 * sum(values) / len(values), 2)
+
+
+def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
+    """Both modes' items for every setting (contract.run); `scbench_table.md`: per mode, per task, then per turn."""
+    task = SCBench(cfg, loaded)
+    results = contract.run(task, settings, progress=progress)
+    reference = field_tables.full_tag(settings)
+    sections = []
+    for mode in task.modes:
+        rows = {tag: [r for r in res["rows"] if r["mode"] == mode] for tag, res in results.items()}
+        turns = sorted({r["turn_idx"] for recs in rows.values() for r in recs})
+        for title, columns, group in (
+                ("per task", list(task.names), lambda r: (r["task"],)),
+                ("per turn, over the tasks", [f"turn {t + 1}" for t in turns], lambda r: (f"turn {r['turn_idx'] + 1}",))):
+            deltas = (field_tables.paired(rows, reference, lambda r: (r["task"], r["index"], r["turn_idx"]), lambda r: r["score"],
+                                          group, columns) if reference else {})
+            scores = {tag: field_tables.grouped(recs, group, columns, 2, strict=True) for tag, recs in rows.items()}
+            sections.append(field_tables.markdown(f"SCBench · {mode.replace('_', '-')} · {title}", columns, scores, deltas,
+                                                  reference, [], digits=2))
+            if title == "per task":
+                for s in settings:
+                    results[s.tag]["summary"].setdefault("paired_vs_full", {})[mode] = deltas.get(s.tag, {})
+    if settings:
+        note = (f"{loaded.name}, chat template={task.chat}, greedy, query-agnostic (turn 1's query prefilled after compression). "
+                "Score (%) over the turns; '–': none, or the official scorer raised (the summary's scorer_errors).")
+        text = "\n".join(sections) + "\n" + note + "\n"
+        log.info("SCBench table: %s", field_tables.write(Path(settings[0].run_dir.path).parent, "scbench", text))
+    return results
