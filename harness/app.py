@@ -140,12 +140,13 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
     for *_, run_dir in sorted(planned, key=lambda p: str(p[3].path)):  # one order for every process: no deadlock
         run_dir.lock()
 
-    from harness.methods.engine import attention_modules
+    from harness.methods.engine import check_layout
     from harness.models import load_model
 
     seed_everything(int(cfg.seed))
     loaded = load_model(cfg.model)
-    num_layers = len(attention_modules(loaded.model))
+    # every decoder layer counts (per-layer budgets); a layout no method here can compress is refused before any work
+    num_layers = check_layout(loaded.model, [(tag, method) for tag, _, method, _ in planned])
     settings = []
     for tag, scfg, method, run_dir in planned:
         method.validate(num_layers, loaded.max_positions)

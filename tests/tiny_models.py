@@ -74,3 +74,27 @@ def tiny_architecture(family: str = "llama", **overrides) -> dict:
     if family == "gemma3" and "layer_types" not in overrides:
         kw["layer_types"] = gemma3_layer_types(int(kw["num_hidden_layers"]))
     return {"model_type": MODEL_TYPES[family], **kw}
+
+
+# --------------------------------------------------------------------------- today's families, from their model configs
+
+# family -> its tiny random config (conf/model/<name>.yaml): the configs are the one description of each tiny model.
+LAYOUT_FAMILIES = {"gpt-oss": "tiny-gpt-oss", "gemma2": "tiny-gemma2", "llama4": "tiny-llama4", "smollm3": "tiny-smollm3",
+                   "qwen3.5": "tiny-qwen3.5", "gemma4": "tiny-gemma4", "deepseek-v3": "tiny-deepseek-v3"}
+
+
+def family_model(family: str, **overrides):
+    """The seeded random-weight model of conf/model/tiny-<family>.yaml, built from its config class (no tokenizer,
+    no download), its config fields overridden by `overrides`; eval mode, gradients off."""
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from harness import CONF_DIR
+    from harness.models import build_architecture_config
+
+    cfg = OmegaConf.load(f"{CONF_DIR}/model/{LAYOUT_FAMILIES[family]}.yaml")
+    config = build_architecture_config({**OmegaConf.to_container(cfg.architecture), **overrides})
+    config._attn_implementation = cfg.attn_implementation
+    torch.manual_seed(int(cfg.seed))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    return model.eval().requires_grad_(False)

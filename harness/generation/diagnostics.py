@@ -7,6 +7,7 @@ import logging
 
 from harness.generation.prompt import Prompt
 from harness.memory_plan import scalar
+from harness.methods.layout import LAYOUT_REASONS, layer_bytes
 
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()
@@ -17,10 +18,11 @@ def kv_stats(cache) -> dict:
     if cache is None:
         return {}
     heads, lengths, nbytes = [], [], 0
-    for layer in cache.layers:
-        heads.append(int(layer.keys.shape[1]))
-        lengths.append(int(layer.keys.shape[2]))
-        nbytes += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    for layer in cache.layers:  # a linear-attention layer's fixed state counts; a shared-KV layer holds nothing
+        keys = getattr(layer, "keys", None)
+        heads.append(int(keys.shape[1]) if keys is not None else 0)
+        lengths.append(int(keys.shape[2]) if keys is not None else 0)
+        nbytes += layer_bytes(layer)
     return {"cache_heads": heads, "cache_lengths": lengths, "cache_bytes": nbytes}
 
 
@@ -31,7 +33,7 @@ def retention(records: dict, lo: int, hi: int, row: int | None = None) -> tuple[
     by_layer: list = []
     for idx in sorted(records):
         rec = records[idx]
-        if rec.reason == "sliding_window":
+        if rec.reason in LAYOUT_REASONS:  # the model bounds or shares this layer's cache: not the method's
             by_layer.append(None)
         elif rec.positions is None or hi <= lo:
             by_layer.append(1.0)
@@ -53,17 +55,23 @@ def compression_diagnostics(state, method, prompt: Prompt, end: int, cache, row:
         out["kv_positions_after_prefill"] = [list(records[i].after) if row is None else _row_after(records[i], row)
                                              for i in sorted(records)]
         out["compressed_layers"] = [i for i in sorted(records) if records[i].compressed]
+        whole = {}
+        for i in sorted(records):
+            if records[i].reason in LAYOUT_REASONS:
+                whole.setdefault(records[i].reason, []).append(i)
+        if whole:
+            out["layers_kept_whole"] = whole  # why the others were not: sliding_window, chunked_attention, linear_attention, shared_kv
     if getattr(method, "compresses", False):
         out["budget_tokens"] = getattr(method, "budget", None)
         short = [i for i in sorted(records) if records[i].reason == "short_prompt"]
-        if short and all(records[i].reason in ("short_prompt", "sliding_window") for i in records):
+        if short and all(records[i].reason == "short_prompt" or records[i].reason in LAYOUT_REASONS for i in records):
             out["not_compressed"] = f"budget {out['budget_tokens']} >= the {end}-token compressed part: kept whole"
             _warn_once(repr(method), "%s: the budget (%s tokens) is at or above this item's %d-token compressed part: "
                        "nothing is compressed (the official rule); lower method.budget or use method.ratio",
                        getattr(method, "name", method), out["budget_tokens"], end)
     for name, (lo, hi) in prompt.spans.items():
         if lo >= end or not records:  # prefilled after compression (or nothing compressed): all of it is cached
-            by_layer = [None if records[i].reason == "sliding_window" else 1.0 for i in sorted(records)]
+            by_layer = [None if records[i].reason in LAYOUT_REASONS else 1.0 for i in sorted(records)]
             out[f"{name}_kept"], out[f"{name}_kept_by_layer"] = 1.0, by_layer
         else:
             out[f"{name}_kept"], out[f"{name}_kept_by_layer"] = retention(records, lo, min(hi, end), row)
@@ -87,9 +95,13 @@ def row_cache_bytes(cache, row: int) -> int:
     """The bytes batch row `row` of a cache holds: its share of every layer, a ragged layer's padding excluded
     (a batch of one measures the tensors themselves, `kv_stats`)."""
     total = 0
+    batch = next((int(layer.keys.shape[0]) for layer in cache.layers if getattr(layer, "keys", None) is not None), 1)
     for layer in cache.layers:
+        if getattr(layer, "keys", None) is None:  # a linear layer's fixed state, one per row (a shared layer: nothing)
+            total += round(layer_bytes(layer) / batch)
+            continue
         rows, length = int(layer.keys.shape[0]), int(layer.keys.shape[2])
-        nbytes = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        nbytes = layer_bytes(layer)
         owner = getattr(layer, "_kvharness_owner", None)  # ragged (harness/methods/ragged.py): -1 marks padding
         share = int(scalar((owner[row] >= 0).sum(), planned=length)) / max(length, 1) if owner is not None else 1.0
         total += round(nbytes / rows * share)

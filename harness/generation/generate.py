@@ -23,6 +23,7 @@ from harness.generation.diagnostics import compression_diagnostics
 from harness.generation.prompt import Outcome, Prompt, QuestionOutcomes
 from harness.memory_plan import scalar
 from harness.methods import decode_time
+from harness.methods.layout import LAYOUT_REASONS
 from harness.models import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def _warn_if_nothing_compressible(loaded: LoadedModel, session) -> None:
     """Once per model and process: every layer has its own sliding window, so no method compressed anything."""
     for state in session.states.values():
         layers = state.layers.values()
-        if layers and all(r.reason == "sliding_window" for r in layers) and loaded.name not in _WARNED_SLIDING:
+        if layers and all(r.reason in LAYOUT_REASONS for r in layers) and loaded.name not in _WARNED_SLIDING:
             _WARNED_SLIDING.add(loaded.name)
             log.warning("%s: every layer uses a sliding window, which bounds its cache itself; no layer is compressed "
                         "(results equal the full cache)", loaded.name)
@@ -373,8 +374,10 @@ def rollback_copy(cache):
     The layer class is kept (gqa=expand's expanding subclass, sliding-window layers)."""
     import copy
 
+    from harness.methods.layout import own_copy
+
     out = copy.copy(cache)
-    out.layers = [copy.copy(layer) for layer in cache.layers]
+    out.layers = [own_copy(layer) for layer in cache.layers]  # a linear layer's state is updated in place: its own copy
     return out
 
 

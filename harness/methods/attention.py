@@ -24,7 +24,7 @@ def repeat_kv(states: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def window_attention(query_states: torch.Tensor, key_states: torch.Tensor, window_size: int,
-                     scaling: float | None = None) -> torch.Tensor:
+                     scaling: float | None = None, layout=None, model_dtype_logits: bool = False) -> torch.Tensor:
     """Softmax attention of the last `window_size` queries over all keys: (B, Hq, W, L), in float32.
 
     A causal mask inside the window only, softmax in float32, as the official code; logits and weights
@@ -35,21 +35,27 @@ def window_attention(query_states: torch.Tensor, key_states: torch.Tensor, windo
     own softmax scale differs (Gemma's query_pre_attn_scalar) passes `scaling`, which is then used
     instead (None or 1/sqrt(d): the official division). Keys may have fewer heads than queries (GQA):
     the query heads of a group are stacked against their one KV head, so keys are never expanded.
+    `layout` (LayerStats.layout): the layer's soft-cap and learned sinks, applied as the model applies them.
+    `model_dtype_logits`: the logits in the input dtype, as the official code (CAKE's authors' rounding).
     """
     b, hq, _, head_dim = query_states.shape
     hkv = key_states.shape[1]
     groups = hq // hkv
-    window_q = query_states[..., -window_size:, :].reshape(b, hkv, groups * window_size, head_dim).float()
-    logits = torch.matmul(window_q, key_states.float().transpose(2, 3))
+    window_q = query_states[..., -window_size:, :].reshape(b, hkv, groups * window_size, head_dim)
+    if not model_dtype_logits:
+        window_q, key_states = window_q.float(), key_states.float()
+    logits = torch.matmul(window_q, key_states.transpose(2, 3))
     if scaling is None or math.isclose(scaling, 1 / math.sqrt(head_dim), rel_tol=1e-6):
         logits = logits / math.sqrt(head_dim)
     else:
         logits = logits * scaling
     logits = logits.view(b, hq, window_size, key_states.shape[-2])
+    if layout is not None:
+        logits = layout.capped(logits)
     rows = torch.arange(window_size, device=logits.device)
     future = rows[None, :] > rows[:, None]  # key j after query i, inside the window
     logits[..., -window_size:] = logits[..., -window_size:].masked_fill(future, torch.finfo(logits.dtype).min)
-    return F.softmax(logits, dim=-1, dtype=torch.float32)
+    return F.softmax(logits, dim=-1, dtype=torch.float32) if layout is None else layout.softmax(logits)
 
 
 CPU_BLOCK_BYTES = 8 << 20  # a block's float32 logits on a CPU: about the size of a core's share of the cache
@@ -65,14 +71,14 @@ def cpu_block_rows(block_size: int, rows_per_query: int, length: int) -> int:
 
 
 def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_size: int = 512, offset: int = 0,
-                          scaling: float | None = None) -> torch.Tensor:
+                          scaling: float | None = None, layout=None) -> torch.Tensor:
     """Column sums (B, Hq, K) of the causal softmax attention of the given queries, in float32.
 
     queries: (B, Hq, n, d) after RoPE, at prompt positions offset .. offset + n - 1 (a chunk of the
     prompt; offset 0 and n = K for a one-shot prefill); keys: (B, Hkv, K, d), every key up to the
     chunk's last position, Hq a multiple of Hkv. Rows are processed `block_size` at a time against
     the keys they can see. Summing the results of consecutive chunks gives the one-shot result.
-    `scaling`: the softmax scale (default 1/sqrt(d)).
+    `scaling`: the softmax scale (default 1/sqrt(d)); `layout`: the layer's soft-cap and sinks (layout.py).
     """
     b, hq, n_queries, d = queries.shape
     hkv, length = keys.shape[1], keys.shape[2]
@@ -94,8 +100,11 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor, *, block_si
         q = queries[:, :, start:end].reshape(b, hkv, groups * n, d)  # a query group's rows stacked
         logits = torch.matmul(q.float(), keys[:, :, :visible].transpose(-1, -2)) * scale  # float32; keys not copied
         logits = logits.view(b, hkv, groups, n, visible)
+        if layout is not None:
+            logits = layout.capped(logits)
         future = torch.ones(n, n, dtype=torch.bool, device=queries.device).triu(1)  # only the diagonal block
         logits[..., offset + start:visible].masked_fill_(future, torch.finfo(logits.dtype).min)
-        totals[..., :visible] += F.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=-2)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32) if layout is None else layout.softmax(logits)
+        totals[..., :visible] += probs.sum(dim=-2)
         del logits
     return totals.view(b, hq, length)

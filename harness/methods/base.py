@@ -48,6 +48,9 @@ class LayerStats:
     # rotary embedding for this layer: `rotary(positions)` -> (cos, sin), each (n, head_dim) float32.
     module: object = None
     rotary: object = None
+    # What the layer is and how its attention turns logits into weights (harness/methods/layout.py: soft-cap,
+    # learned sinks, NoPE); None: a plain softmax.
+    layout: object = None
 
     def window_queries(self, window: int | None) -> torch.Tensor:
         if window is None:

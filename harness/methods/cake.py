@@ -155,9 +155,10 @@ class CAKE(ScoredMethod):
         if length <= self.budget + self.window_size:
             return None
         queries = stats.window_queries(self.window_size)
-        if not self.round_softmax_to_model_dtype:
-            queries, keys = queries.float(), keys.float()
-        attn = window_attention(queries, keys, self.window_size, stats.scaling)  # float32 softmax, cast to the input dtype
+        rounding = self.round_softmax_to_model_dtype  # the authors' order: logits in the model dtype, softmax in
+        attn = window_attention(queries, keys, self.window_size, stats.scaling, stats.layout, model_dtype_logits=rounding)
+        if rounding:  # float32, rounded to the model dtype (all of it a no-op in float32 models)
+            attn = attn.to(keys.dtype)
         attn = attn[..., : length - self.window_size]
         return layer_preference(attn, self.tau1, self.tau2), token_scores(attn, self.gamma, self.kernel_size)
 

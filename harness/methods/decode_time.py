@@ -111,7 +111,10 @@ class DecodeEvictor:
         self.queries[idx] = (q[:, :, -keep:].clone(), pos[-keep:])
 
     def _layers(self, cache):
-        return [(i, layer) for i, layer in enumerate(cache.layers) if not getattr(layer, "is_sliding", False)]
+        # layers holding entries the method may evict: not sliding, and with keys (a linear-attention or shared-KV
+        # layer holds none: harness/methods/layout.py)
+        return [(i, layer) for i, layer in enumerate(cache.layers)
+                if not getattr(layer, "is_sliding", False) and getattr(layer, "keys", None) is not None]
 
     def _true_positions(self, idx: int, layer) -> torch.Tensor:
         """(B, H, L) true positions of layer `idx`'s entries: those known, then the ones appended since."""
@@ -214,7 +217,8 @@ class DecodeEvictor:
 
 def cache_bytes(cache) -> int:
     """Bytes of the entries a cache holds (the views' sizes: spare room of a growing buffer is not counted)."""
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None)
 
 
 # ------------------------------------------------------------------------------------------ wiring

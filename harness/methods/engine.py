@@ -21,9 +21,13 @@ How it works, without copying or replacing any model's forward:
    (CAKE, KVzip: `across_layers`) summarise each layer there and hold it; once the model's forward
    has finished, they select every layer at once (KVzip first replays text over a copy of the full
    cache: `FinishContext.replay`).
-4. Layers with a sliding window keep their own bounded cache and are not compressed (the model's own
-   rule already bounds them). kvpress 0.5.5 does the same only for its multimodal Gemma 3 class; on the
-   text-only Gemma3ForCausalLM it hooks every layer and cuts the sliding ones too (docs/methods.md).
+4. Only global (full-attention) layers are compressed: what each layer is comes from one description,
+   harness/methods/layout.py (sliding and chunked layers keep their own bounded cache, linear-attention
+   layers hold a fixed state, a layer reading another layer's KV is compressed with its owner; soft-capped
+   logits, learned sinks and NoPE layers are scored as the model computes them; multi-head latent
+   attention is refused in one line). kvpress 0.5.5 keeps sliding layers whole only for its multimodal
+   Gemma 3 class; on the text-only Gemma3ForCausalLM it hooks every layer and cuts the sliding ones too
+   (docs/methods.md).
 5. After compression, every layer's stored entries are the kept prompt positions followed by the
    tokens appended since; the observer gives each continuing forward (the question prefilled on top
    of the compressed cache, decode steps) the mask that layout needs: a single query sees every
@@ -58,6 +62,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from harness.errors import HarnessError, is_out_of_memory
 from harness.memory_plan import same_storage
+from harness.methods import layout as layouts
 from harness.methods import ragged
 from harness.methods import attention
 from harness.methods.attention import repeat_kv
@@ -217,7 +222,7 @@ class LayerRecord:
     after: tuple[int, int]
     positions: torch.Tensor | None  # (B, H, kept) ascending; None: the layer was kept whole
     compressed: bool
-    reason: str | None = None  # why a layer was kept whole ("sliding_window", "short_prompt")
+    reason: str | None = None  # why a layer was kept whole ("short_prompt", or its kind: layout.REASONS)
 
 
 @dataclass
@@ -244,14 +249,22 @@ class Session:
     """One item's compression: the methods, what was captured, and what each method kept."""
 
     def __init__(self, modules, methods: list[tuple[str, CompressionMethod]], keep_full: bool,
-                 never_compressed: set[int] = frozenset(), rotary=None):
+                 never_compressed: set[int] = frozenset(), rotary=None, layout: list | None = None):
         self.modules = modules
-        # Layers with their own sliding window: the model bounds their cache, no method compresses them,
+        # What each layer is (layout.py); None: every layer global, except `never_compressed` (sliding).
+        self.layout = layout
+        # Layers no method compresses (sliding, chunked, linear, shared: the model bounds or shares their cache),
         # so nothing is captured there (no queries, no column sums: no O(L^2) work on them either).
-        self.never_compressed = set(never_compressed)
+        self.never_compressed = set(never_compressed) | {l.idx for l in layout or () if not l.compressed}
+        self.reads = {l.idx: l.reads for l in layout or () if l.reads != l.idx}  # shared KV: reader -> owner
+        self.owner_masks: dict[int, torch.Tensor] = {}  # an owner's last per-head mask, for the layers reading its KV
         self.rotary = rotary  # (layer_idx, positions) -> (cos, sin), or None
-        self.num_layers = len(modules)
+        self.num_layers = len(layout) if layout else len(modules)
         self.states = {tag: MethodState(tag, m) for tag, m in methods}
+        for state in self.states.values():  # layers without a cache of their own: recorded once, never visited
+            for l in layout or ():
+                if l.kind in ("linear", "shared"):
+                    state.layers[l.idx] = LayerRecord((0, 0), (0, 0), None, False, l.reason)
         self.keep_full = keep_full
         self.in_place = len(methods) == 1 and not keep_full  # the simple case: the one cache is the method's
         windows = [m.query_window for _, m in methods]
@@ -291,8 +304,16 @@ class Session:
         if self.replaying is not None:
             self.replaying(module, query, key)
             return mask
+        if idx in self.reads:  # reads an earlier layer's KV (Gemma 4): that layer's mask once it is compressed
+            idx = self.reads[idx]
+            if idx not in self.compressed:
+                return mask
+            if self.owner_masks.get(idx) is not None:
+                return self.owner_masks[idx][:, :, -q_len:]
         if idx in self.compressed:
             per_head = ragged.pending_mask(idx, query)
+            if idx in self.reads.values():  # this call's per-head mask (or none) is the one its readers see next
+                self.owner_masks[idx] = per_head
             if per_head is not None:
                 if self.flash:
                     raise HarnessError("per-head budgets (a ragged cache layer) need a per-head attention mask, which "
@@ -316,7 +337,8 @@ class Session:
             self.queries[idx] = query[:, :, :0]
         if self.column_sums:
             block = min(getattr(s.method, "block_size", 512) for s in self.states.values() if s.method.needs_column_sums)
-            part = attention.accumulated_attention(query, key, block_size=block, offset=k_len - q_len, scaling=getattr(module, "scaling", None))
+            part = attention.accumulated_attention(query, key, block_size=block, offset=k_len - q_len, scaling=getattr(module, "scaling", None),
+                                                   layout=self.layout[idx] if self.layout else None)
             prev = self.sums.get(idx)
             if prev is not None:
                 part[..., : prev.shape[-1]] += prev
@@ -337,12 +359,14 @@ class Session:
         keys, values = layer.keys, layer.values
         shape = tuple(keys.shape[1:3])
         if self.sliding[idx]:
+            reason = self.layout[idx].reason if self.layout else "sliding_window"
             for state in self.states.values():
-                state.layers[idx] = LayerRecord(shape, shape, None, False, "sliding_window")
+                state.layers[idx] = LayerRecord(shape, shape, None, False, reason)
         else:
             rotary = None if self.rotary is None else (lambda positions, _i=idx: self.rotary(_i, positions))
             stats = LayerStats(idx, self.num_layers, queries=queries, column_sums=sums,
-                               scaling=getattr(module, "scaling", None), module=module, rotary=rotary)
+                               scaling=getattr(module, "scaling", None), module=module, rotary=rotary,
+                               layout=self.layout[idx] if self.layout else None)
             for state in self.live_states():
                 with self.guarded(state):
                     if state.method.across_layers:  # decides once every layer is summarised (holds this layer until then)
@@ -430,7 +454,7 @@ class Session:
         cache = copy.copy(shared)
         cache.layers = []
         for idx, layer in enumerate(shared.layers):
-            own = copy.copy(layer)  # shallow: the same tensors, its own counters
+            own = layouts.own_copy(layer)  # shallow: the same tensors, its own counters (a linear layer's own state)
             sel = state.selections.pop(idx, None)
             if sel is not None:
                 _set_layer(own, sel, idx)
@@ -448,19 +472,10 @@ def _empty_sequence(t: torch.Tensor) -> torch.Tensor:
     return t.new_empty((*t.shape[:2], 0, t.shape[3]))
 
 
-def sliding_layers(model) -> set[int]:
-    """Layers whose cache the model bounds with its own sliding window (the layers DynamicCache(config)
-    makes sliding): never compressed."""
-    try:
-        flags = DynamicCache(config=model.config).is_sliding
-    except (TypeError, ValueError, AttributeError):  # a config DynamicCache cannot read: decide per cache layer
-        return set()
-    return {i for i, sliding in enumerate(flags) if sliding}
-
-
-def rotary_of(model):
-    """`(layer_idx, positions) -> (cos, sin)`, each (n, head_dim) float32, from the model's own rotary
-    embedding (per layer type where the model has several, Gemma 3); None for a model without one."""
+def rotary_of(model, layout: list | None = None):
+    """`(layer_idx, positions) -> (cos, sin)`, each (n, rotary dims) float32, from the model's own rotary
+    embedding (per layer type where the model has several, Gemma 3); cos 1, sin 0 on a NoPE layer
+    (`layout`: no rotation); None for a model without one."""
     rotary = next((m for name, m in model.named_modules() if name.endswith("rotary_emb")), None)
     if rotary is None:
         return None
@@ -469,6 +484,10 @@ def rotary_of(model):
     layer_types = getattr(config, "layer_types", None)
 
     def at(layer_idx: int, positions: torch.Tensor):
+        if layout is not None and not layout[layer_idx].rotary:
+            head_dim = int(getattr(layouts.text_config(model), "head_dim", 0) or 0)
+            ones = torch.ones(positions.numel(), head_dim, device=positions.device)
+            return ones, torch.zeros_like(ones)
         pos = positions.reshape(1, -1).to(dtype=torch.long)
         probe = torch.zeros(1, dtype=torch.float32, device=pos.device)
         cos, sin = rotary(probe, pos, layer_types[layer_idx]) if per_type else rotary(probe, pos)
@@ -504,7 +523,7 @@ class FinishContext:
         replay_cache = copy.copy(self.cache)
         replay_cache.layers = []
         for i, layer in enumerate(self.cache.layers):
-            own = copy.copy(layer)
+            own = layouts.own_copy(layer)
             if i in self.held:
                 own.keys, own.values = self.held[i][0], self.held[i][1]
             replay_cache.layers.append(own)
@@ -523,17 +542,33 @@ def _find_cache(args, kwargs) -> Cache | None:
     return None
 
 
-def _check_supported(modules, methods) -> None:
-    """Refuse, in one line, families whose attention the methods' scoring cannot reproduce."""
-    scoring = [m for _, m in methods if m.query_window != 0 or m.needs_column_sums]
-    for module in modules[:1]:
-        config = getattr(module, "config", None)
-        if getattr(module, "sinks", None) is not None:
-            raise HarnessError(f"{type(module).__name__} uses learned attention sinks; compressing its cache is not supported")
-        cap = getattr(module, "attn_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None)
-        if cap and scoring:
-            raise HarnessError(f"{type(module).__name__} soft-caps its attention logits ({cap}); "
-                               f"{', '.join(sorted({m.name for m in scoring}))} cannot score it faithfully")
+def _check_supported(model, modules, layout, methods) -> None:
+    """Refuse, in one line and before any work, layouts the methods cannot compress."""
+    why = layouts.refusal(model)
+    if why is None and not modules:
+        why = f"no attention modules found in {type(model).__name__}; this model family is not supported"
+    if why is None and any(l.kind == "unknown" for l in layout):
+        why = (f"{type(model).__name__}: layers {[l.idx for l in layout if l.kind == 'unknown']} have no attention module the "
+               f"engine recognises; only method=full runs")
+    if why is not None:
+        raise HarnessError(why)
+    refusing = sorted({m.name for _, m in methods if not m.supports_sliding_layers})
+    whole = {l.kind for l in layout if not l.compressed}
+    if refusing and whole:
+        kinds = ", ".join(f"{k} layers {[l.idx for l in layout if l.kind == k]}" for k in sorted(whole))
+        raise HarnessError(f"{', '.join(refusing)} cannot run on a model with sliding-window layers or other non-global ones "
+                           f"({type(model).__name__}: {kinds}): its replay scores every layer over the full context; use another method")
+
+
+def check_layout(model, methods) -> int:
+    """Before any work: refuse (one line) what the compressing methods among `methods` [(tag, method)] cannot run on
+    this model's layout; returns the number of decoder layers (what per-layer budgets count)."""
+    modules = attention_modules(model)
+    layout = layouts.model_layout(model, modules)
+    compressing = [(t, m) for t, m in methods if m.compresses]
+    if compressing:
+        _check_supported(model, modules, layout, compressing)
+    return len(layout)
 
 
 @contextmanager
@@ -547,26 +582,23 @@ def compression(model, methods, *, keep_full: bool = False, tokenizer=None):
         methods = [] if methods is None or not methods.compresses else [(methods.name, methods)]
     modules = attention_modules(model)
     compressing = [(t, m) for t, m in methods if m.compresses]
-    session = Session(modules, compressing, keep_full, sliding_layers(model) if compressing else set(),
-                      rotary_of(model) if compressing else None)
-    session.flash = "flash" in str(model.config._attn_implementation)
-    session.tokenizer = tokenizer
     if not compressing:
+        session = Session(modules, compressing, keep_full)
+        session.tokenizer = tokenizer
         yield session
         return
-    if not modules:
-        raise HarnessError(f"no attention modules found in {type(model).__name__}; this model family is not supported")
-    _check_supported(modules, compressing)
-    refusing = sorted({m.name for _, m in compressing if not m.supports_sliding_layers})
-    if refusing and session.never_compressed:
-        raise HarnessError(f"{', '.join(refusing)} cannot run on a model with sliding-window layers "
-                           f"({type(model).__name__}: layers {sorted(session.never_compressed)}); use another method")
+    layout = layouts.model_layout(model, modules)
+    _check_supported(model, modules, layout, compressing)
+    session = Session(modules, compressing, keep_full, layout=layout, rotary=rotary_of(model, layout))
+    session.flash = "flash" in str(model.config._attn_implementation)
+    session.tokenizer = tokenizer
     handles = []
     with _observing(model):
         try:
             for m in modules:
                 m._kvharness_session = session
                 handles.append(m.register_forward_hook(session.after_attention, with_kwargs=True))
+            handles.extend(layouts.temperature_hooks(model, modules, layout))
             if any(m.across_layers for _, m in compressing):
                 handles.append(model.register_forward_pre_hook(session.before_forward, with_kwargs=True))
                 handles.append(model.register_forward_hook(session.after_forward, with_kwargs=True))

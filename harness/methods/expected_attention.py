@@ -50,6 +50,15 @@ def unrotate(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return (q * cos - rotate_half(q) * sin) / (cos * cos + sin * sin)
 
 
+def partial_unrotate(queries: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`unrotate` where the rotary covers the first cos.shape[-1] dimensions only (partial rotary: Qwen3.5 rotates a
+    quarter of each head); NoPE layers come with cos 1, sin 0 (engine.rotary_of): unchanged."""
+    r = cos.shape[-1]
+    if r == queries.shape[-1]:
+        return unrotate(queries, cos, sin)
+    return torch.cat([unrotate(queries[..., :r], cos, sin), queries[..., r:].float()], dim=-1)
+
+
 def averaged_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """(d, d): the mean over the positions of cos/sin (T, d) of diag(cos_t) + diag(sin_t) P."""
     d = cos.shape[-1]
@@ -59,11 +68,12 @@ def averaged_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def expected_attention_scores(queries_pre: torch.Tensor, keys: torch.Tensor, rotation: torch.Tensor, *,
-                              scaling: float | None, use_covariance: bool) -> torch.Tensor:
+                              scaling: float | None, use_covariance: bool, layout=None) -> torch.Tensor:
     """Softmax (over the given keys) of the expected logits, per query head: (B, Hq, K).
 
     queries_pre: (B, Hq, N, d) the pre-RoPE queries the statistics come from; keys: (B, Hkv, K, d)
-    post-RoPE; rotation: (d, d) the averaged future rotation."""
+    post-RoPE; rotation: (d, d) the averaged future rotation. `layout` (layout.py): the expected logits go through
+    the layer's soft-cap, and its learned sink logit joins the softmax denominator, as the model's own logits do."""
     b, hq, _, d = queries_pre.shape
     hkv = keys.shape[1]
     groups = hq // hkv
@@ -79,7 +89,9 @@ def expected_attention_scores(queries_pre: torch.Tensor, keys: torch.Tensor, rot
         cov_rot = (rotation @ cov @ rotation.T).view(b, hkv, groups, d, d)
         quad = ((k @ cov_rot) * k).sum(-1)  # k^T Sigma' k, (B, Hkv, g, K)
         logits = logits + (quad / d / 2 if sqrt_d else quad * scaling * scaling / 2)
-    return logits.softmax(dim=-1).reshape(b, hq, -1)
+    if layout is None:
+        return logits.softmax(dim=-1).reshape(b, hq, -1)
+    return layout.softmax(layout.capped(logits), rows=False).reshape(b, hq, -1)
 
 
 @register
@@ -118,11 +130,13 @@ class ExpectedAttention(KVScorer):
             return scores.expand(keys.shape[0], keys.shape[1], length)[..., : length - self.window_size]
         positions = torch.arange(length, device=keys.device)
         cos, sin = stats.rotary(positions)
-        queries = unrotate(stats.queries, cos, sin)[:, :, sinks:]
+        queries = partial_unrotate(stats.queries, cos, sin)[:, :, sinks:]
         future_cos, future_sin = stats.rotary(torch.arange(length, length + self.n_future_positions, device=keys.device))
         rotation = averaged_rotation(future_cos, future_sin)
+        if rotation.shape[0] < keys.shape[-1]:  # partial rotary (Qwen3.5): the other dimensions are not rotated
+            rotation = torch.block_diag(rotation, torch.eye(keys.shape[-1] - rotation.shape[0], device=rotation.device))
         attn = expected_attention_scores(queries, keys[:, :, sinks:], rotation, scaling=stats.scaling,
-                                         use_covariance=self.use_covariance)
+                                         use_covariance=self.use_covariance, layout=stats.layout)
         scores = per_head(attn, keys.shape[1], self.gqa)
         if self.use_vnorm:
             norms = values[:, :, sinks:].float().norm(dim=-1)

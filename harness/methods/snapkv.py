@@ -25,11 +25,11 @@ POOLINGS = ("maxpool", "avgpool")
 
 
 def snapkv_votes(query_states, key_states, *, window_size: int, kernel_size: int, pooling: str,
-                 scaling: float | None = None) -> torch.Tensor:
+                 scaling: float | None = None, layout=None) -> torch.Tensor:
     """Pooled window votes (B, Hq, L - W) for the prompt positions before the window."""
     require(pooling in POOLINGS, f"method.pooling={pooling!r} is not one of {', '.join(POOLINGS)}")
     require(kernel_size % 2 == 1, f"method.kernel_size={kernel_size} must be odd (even sizes shift the pooled scores)")
-    attn = window_attention(query_states, key_states, window_size, scaling)
+    attn = window_attention(query_states, key_states, window_size, scaling, layout)
     votes = attn[..., :-window_size].sum(dim=-2)
     pool = F.max_pool1d if pooling == "maxpool" else F.avg_pool1d  # avg: zero padding counted, as official
     return pool(votes, kernel_size=kernel_size, padding=kernel_size // 2, stride=1)
@@ -82,7 +82,8 @@ class SnapKV(ScoredMethod):
         key = self.score_key()
         if key not in stats.shared:
             stats.shared[key] = snapkv_votes(stats.window_queries(self.window_size), keys, window_size=self.window_size,
-                                             kernel_size=self.kernel_size, pooling=self.pooling, scaling=stats.scaling)
+                                             kernel_size=self.kernel_size, pooling=self.pooling, scaling=stats.scaling,
+                                             layout=stats.layout)
         return stats.shared[key]
 
     def prefix_scores(self, queries, keys, layer_idx):

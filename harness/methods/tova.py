@@ -41,6 +41,6 @@ class TOVA(KVScorer):
         return ("tova", self.window_size)
 
     def head_scores(self, keys, values, stats):
-        attn = window_attention(stats.window_queries(1), keys, 1, stats.scaling)  # (B, Hq, 1, L)
+        attn = window_attention(stats.window_queries(1), keys, 1, stats.scaling, stats.layout)  # (B, Hq, 1, L)
         per_layer = attn[:, :, 0, : keys.shape[-2] - self.window_size].mean(dim=1, keepdim=True)
         return per_layer.expand(-1, keys.shape[1], -1)  # the same scores for every KV head

@@ -90,33 +90,57 @@ def prompt_ids(batch: int = 1, length: int = PROMPT, seed: int = 0) -> torch.Ten
 
 
 class Reference:
-    """A plain attention function over the full cache that hides dropped prompt positions per head."""
+    """A plain attention function over the full cache that hides dropped prompt positions per head.
+
+    It computes each family's attention from the model's config and the arguments the model passes, written
+    here: sliding windows and Llama 4's chunks (from `layer_types`), Gemma 2's soft-cap (`softcap`), gpt-oss's
+    learned sinks (`s_aux`, in the softmax denominator), and Gemma 4's shared KV (a layer reading the last
+    earlier layer of its type that stores KV: that layer's dropped positions are hidden from it too)."""
 
     name = "kvharness_test_reference"
 
     def __init__(self, model, keep: dict, end: int):
         self.model, self.keep, self.end = model, keep, end  # keep: layer -> (B, Hq, end) bool, or absent
-        layer_types = getattr(model.config, "layer_types", None) or []
-        self.window = {i: model.config.sliding_window for i, t in enumerate(layer_types) if t == "sliding_attention"}
+        config = model.config.get_text_config()
+        layer_types = getattr(config, "layer_types", None) or []
+        self.window = {i: config.sliding_window for i, t in enumerate(layer_types) if t == "sliding_attention"}
+        self.chunk = {i: config.attention_chunk_size for i, t in enumerate(layer_types) if t == "chunked_attention"}
+        modes = config.kv_sharing_modes if getattr(config, "num_kv_shared_layers", 0) else []
+        self.reads = {i: max(j for j in range(i) if modes[j] == "store" and layer_types[j] == layer_types[i])
+                      for i, mode in enumerate(modes) if mode == "reuse"}
 
-    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def attention(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, s_aux=None, **kwargs):
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         q_len, k_len = query.shape[2], key.shape[2]
         logits = query @ key.transpose(2, 3) * (scaling if scaling is not None else module.scaling)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
         q_pos = torch.arange(k_len - q_len, k_len)
         k_pos = torch.arange(k_len)
         allowed = k_pos[None, :] <= q_pos[:, None]
         if module.layer_idx in self.window:
             allowed &= k_pos[None, :] > q_pos[:, None] - self.window[module.layer_idx]
+        if module.layer_idx in self.chunk:
+            allowed &= (k_pos[None, :] // self.chunk[module.layer_idx]) == (q_pos[:, None] // self.chunk[module.layer_idx])
         allowed = allowed[None, None].expand(query.shape[0], query.shape[1], q_len, k_len).clone()
-        keep = self.keep.get(module.layer_idx)
+        keep = self.keep.get(self.reads.get(module.layer_idx, module.layer_idx))
         after = q_pos >= self.end
         if keep is not None and after.any():
             allowed[:, :, after, : self.end] &= keep[:, :, None, :]
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        weights = torch.softmax(logits.float(), dim=-1).to(query.dtype)
+        logits = logits.masked_fill(~allowed, float("-inf")).float()
+        if s_aux is not None:  # the sink logit joins every row's softmax; its weight is dropped
+            logits = torch.cat([logits, s_aux.float().reshape(1, -1, 1, 1).expand(*logits.shape[:3], 1)], dim=-1)
+            weights = torch.softmax(logits, dim=-1)[..., :-1].to(query.dtype)
+        else:
+            weights = torch.softmax(logits, dim=-1).to(query.dtype)
         return (weights @ value).transpose(1, 2).contiguous(), weights
+
+    def cache(self):
+        """A cache of every layer the model holds (one forward: nothing is bounded yet); a linear-attention layer needs
+        its state layer from the config."""
+        linear = "linear_attention" in (getattr(self.model.config.get_text_config(), "layer_types", None) or [])
+        return DynamicCache(config=self.model.config) if linear else DynamicCache()
 
     def logits(self, ids: torch.Tensor, tokens: list[list[int]]) -> torch.Tensor:
         """Teacher-forced logits of every decode step (prompt + generated tokens), full cache, one forward."""
@@ -127,7 +151,7 @@ class Reference:
         try:
             full = torch.cat([ids, torch.tensor(tokens)[:, :-1]], dim=1)
             with torch.inference_mode():
-                out = self.model(input_ids=full, cache=DynamicCache(), use_cache=True)
+                out = self.model(input_ids=full, cache=self.cache(), use_cache=True)
             return out.logits[:, ids.shape[1] - 1:]
         finally:
             self.model.config._attn_implementation = original
@@ -293,15 +317,6 @@ def test_all_sliding_layers_are_left_whole_past_the_window(one_thread, caplog):
             out = generate_settings(loaded_of(model), [(tag, methods("mean")[tag])], Prompt(ids[0].tolist()), max_new_tokens=30)[tag]
         assert out.generation.tokens == plain and out.diagnostics["compressed_layers"] == []
         assert "sliding window" in caplog.text
-
-
-def test_soft_capped_attention_is_refused():
-    config = AutoConfig.for_model("gemma2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, head_dim=16, vocab_size=1000, attn_logit_softcapping=50.0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
-    with pytest.raises(HarnessError, match="soft-caps its attention logits"):
-        with compression(model, methods("mean")["snapkv"]):
-            pass
 
 
 def test_flash_attention_keeps_its_name_for_the_kernel_loader(one_thread):
