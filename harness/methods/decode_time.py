@@ -94,6 +94,7 @@ class DecodeEvictor:
         self.assigned: dict = {}         # rerotate: layer -> the positions the kept keys are rotated to
         self.known_until = self.start    # true position of the first entry not in `positions` yet
         self.queries: dict = {}          # layer -> (queries (B, Hq, m, d), their true positions (m,))
+        self.query_next: dict = {}       # layer -> true position of the next query it will see
         self.events: list[dict] = []
         self.entries: list[int] = []
         self.peak_bytes = 0
@@ -103,7 +104,8 @@ class DecodeEvictor:
     def observe(self, idx: int, query: torch.Tensor) -> None:
         """The post-RoPE queries of the tokens just fed to layer `idx` (the last `rule.queries` are kept)."""
         prev = self.queries.get(idx)
-        first = self.start if prev is None else int(prev[1][-1]) + 1
+        first = self.query_next.get(idx, self.start)  # a Python int: no read of a tensor's value (plans run fake)
+        self.query_next[idx] = first + query.shape[2]
         pos = torch.arange(first, first + query.shape[2], device=query.device)
         q = query.detach() if prev is None else torch.cat([prev[0], query.detach()], dim=2)
         pos = pos if prev is None else torch.cat([prev[1], pos])
