@@ -48,6 +48,25 @@ def _words(pred: str, chars: str) -> list[str]:
     return pred.split()
 
 
+def _squash(pred: str, chars) -> str:
+    """Each of `chars` replaced by a space, then runs of spaces folded to one (the official scorers' cleaning)."""
+    for c in chars:
+        pred = pred.replace(c, " ")
+    while "  " in pred:
+        pred = pred.replace("  ", " ")
+    return pred
+
+
+def _after_prefix(pred: str, prefixes) -> str | None:
+    """What follows the first of `prefixes` found (in the order given) and the one character after it, as the official
+    scorers read an answer; "" when nothing follows; None when no prefix occurs."""
+    for prefix in prefixes:
+        at = pred.find(prefix)
+        if at != -1:
+            return pred[at + len(prefix) + 1:]
+    return None
+
+
 def first_int(pred: str) -> str:
     """The first run of digits ('' if none): the sign and any decimal part are not read."""
     return next((part for part in re.split("[^0-9]", pred) if part), "")
@@ -81,19 +100,9 @@ def code_debug(pred: str, label, scorer: str = "official") -> float:
     letter, name = label[1], label[0]
     if pred[:2] in (f"{letter}.", f"{letter}:"):
         return 1.0
-    for c in ("\n", "`", "'", '"', "-", "*", "Option", "option"):
-        pred = pred.replace(c, " ")
-    while "  " in pred:
-        pred = pred.replace("  ", " ")
-    for prefix in ("answer is:", "is:", "answer:", "correct option is:"):
-        at = pred.find(prefix)
-        if at == -1:
-            continue
-        if len(pred) < at + len(prefix) + 1:
-            return 0.0
-        rest = pred[at + len(prefix) + 1:]
-        return float(rest.startswith(letter) or rest.startswith(name))
-    return 0.0
+    rest = _after_prefix(_squash(pred, ("\n", "`", "'", '"', "-", "*", "Option", "option")),
+                         ("answer is:", "is:", "answer:", "correct option is:"))
+    return float(bool(rest) and (rest.startswith(letter) or rest.startswith(name)))
 
 
 def math_find(pred: str, label, scorer: str = "official") -> float:
@@ -127,18 +136,10 @@ def longbook_choice_eng(pred: str, label, scorer: str = "official") -> float:
         return float(pred[0] in label)
     if pred in label:
         return 1.0
-    for c in ("\n", '"', "'", ".", ",", "?", "!", "{", "}"):
-        pred = pred.replace(c, " ")
-    while "  " in pred:
-        pred = pred.replace("  ", " ")
-    for prefix in ("answer is:", "answer:", "answer is", "option is"):
-        at = pred.find(prefix)
-        if at == -1:
-            continue
-        if len(pred) < at + len(prefix) + 1:
-            return 0.0
-        rest = pred[at + len(prefix) + 1:]
-        return float(any(rest.startswith(s) for s in label))
+    pred = _squash(pred, ("\n", '"', "'", ".", ",", "?", "!", "{", "}"))
+    rest = _after_prefix(pred, ("answer is:", "answer:", "answer is", "option is"))
+    if rest is not None:
+        return float(bool(rest) and any(rest.startswith(s) for s in label))
     for word in pred.split():
         if word in "ABCD":  # a substring test, as the official: "AB", "BC" and "ABCD" count as a word here
             return float(word in label)
