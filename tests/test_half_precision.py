@@ -178,6 +178,9 @@ def test_kept_positions_are_the_float64_ranking_of_the_same_inputs(dtype, method
     for name, method in methods.items():
         if name in RANKED_ELSEWHERE:
             continue
+        if name == "cake":  # its default is the authors' rounding to the model dtype (by design not the float64
+            # ranking; held to the authors' expressions in tests/methods/test_cake.py): ranked here in float32 scoring
+            method = dataclasses.replace(method, round_softmax_to_model_dtype=False)
         calls: dict[int, tuple] = {}
         queries: dict[int, torch.Tensor] = {}
 
