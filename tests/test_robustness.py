@@ -63,7 +63,7 @@ BAD_INPUTS = [
      r"error: method\.budget=16 must be larger than method\.window_size=16", False),
     ("mistyped-method-option", ["method=snapkv", "method.budgt=256"],
      r"error: method snapkv has no option 'budgt' \(did you mean method\.budget\?\); its options: budget, ratio, window_size, "
-     r"kernel_size, pooling, gqa$", False),
+     r"kernel_size, pooling, gqa, decode_interval, decode_budget, decode_ratio, decode_queries, rerotate$", False),
     ("protocol-option-not-applied", ["task=observation_cpu", "model.prefill_chunk_size=64"],
      r"error: task=observation does not apply model\.prefill_chunk_size=64 \(it prefills in one forward\); drop it", False),
     ("resume-value", ["resume=maybe"], r"error: resume='maybe' is not one of true, false, force", False),
