@@ -19,13 +19,16 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from harness.memory_plan import planned_device_type
+
 MARK = "_kvharness_matmul_decode"
 CHOICES = ("matmul", "sdpa")
 
 
 def _wrap(original):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-        if (query.shape[2] != 1 or not getattr(module, MARK, False) or query.device.type != "cpu" or dropout
+        # planned_device_type: a plan of a GPU run (task=plan, fake tensors) takes the GPU's path, not this CPU one
+        if (query.shape[2] != 1 or not getattr(module, MARK, False) or planned_device_type(query) != "cpu" or dropout
                 or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
                 or (attention_mask is not None and attention_mask.shape[-1] != key.shape[2])):
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from harness.memory_plan import is_fake
 from harness.errors import HarnessError, require
 
 log = logging.getLogger(__name__)
@@ -369,8 +370,9 @@ CPU_FLOAT16_MAX_PARAMETERS = 10_000_000  # the tiny test models; SmolLM2-135M is
 def _refuse_cpu_float16(model, dtype, cfg) -> None:
     """float16 on a CPU has no native kernels here: ~50x slower than float32 (issue 33). Tiny models only,
     unless `model.allow_cpu_float16=true`."""
-    if dtype != torch.float16 or next(model.parameters()).device.type != "cpu" or cfg.get("allow_cpu_float16"):
-        return
+    first = next(model.parameters())
+    if dtype != torch.float16 or first.device.type != "cpu" or cfg.get("allow_cpu_float16") or is_fake(first):
+        return  # (fake parameters: a plan of a GPU run, task=plan, computes nothing)
     count = sum(p.numel() for p in model.parameters())
     if count > CPU_FLOAT16_MAX_PARAMETERS:
         raise HarnessError(f"model.dtype=float16 on a CPU runs ~50x slower than float32 ({cfg.name}: {count / 1e6:.0f}M "
