@@ -55,6 +55,8 @@ def test_multi_turn_questions_carry_the_gold_history(tiny_random):
     request = task.build(("scbench_qa_eng", 0, "multi_request"))
     assert tok.decode(request.prompt.questions[1].ids).startswith("Question: Who kept the lamp?\nAnswer:")
     assert data["multi_turns"][0]["answer"] == "Mara"
+    summary = sc.multiturn_texts(tok, row("scbench_summary"), "scbench_summary")[2]
+    assert summary and all(f.endswith("<|im_start|>assistant\nThis paper") for f in summary)  # the authors' primer
     tiny_random.prompt_max_length, before = 64, tiny_random.prompt_max_length  # the context budget: middle truncation
     try:
         cut = task.build(("scbench_qa_eng", 0, "multi_turn"))

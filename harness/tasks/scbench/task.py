@@ -119,6 +119,8 @@ def multiturn_texts(tokenizer, row: dict, task: str) -> tuple[str, str, list[str
         [{"role": "system", "content": ""}, {"role": "assistant", "content": str(turns[i - 1]["answer"])},
          {"role": "user", "content": templates()["query_templates"][task].format(**turn_fields(turns[i], task))}],
         add_generation_prompt=True, tokenize=False).replace(system, "") for i in range(1, len(turns))]
+    if task == "scbench_summary":  # create_multiturn_prompt primes every follow-up summary with "This paper"
+        follow = [text + "This paper" for text in follow]
     return first, tail, follow
 
 
