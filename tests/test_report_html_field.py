@@ -50,7 +50,8 @@ def test_scbench_section_charts_tables_and_items(scbench_runs):
     tag_of = {run_id[rel]: Path(rel).name for rel in run_id}
     charts = [b for b in section["blocks"] if b["kind"] == "chart"]
     tables = [b for b in section["blocks"] if b["kind"] == "table" and b["id"].startswith("scbench-")]
-    assert len(charts) == len(tables) == 3  # multi-request, multi-turn, multi-turn per turn
+    # charts: multi-request, multi-turn; tables: those and multi-turn per turn (its chart would repeat multi-turn's)
+    assert len(charts) == 2 and len(tables) == 3
     paired = [b for b in section["blocks"] if b["kind"] == "table" and not b["id"].startswith("scbench-")]
     assert paired and any("multi-request · scbench_kv" in str(r["cells"]) for r in paired[0]["rows"])  # the PAIRING table
     assert any("multi-request" in t["title"] and "reuse" in t["title"] for t in tables)
@@ -59,7 +60,7 @@ def test_scbench_section_charts_tables_and_items(scbench_runs):
         values = [100 * r["score"] for r in recs[tag]["rows"] if r["mode"] == mode and pick(r)]
         return round(sum(values) / len(values), 2)
 
-    for chart, mode in zip(charts, ("multi_request", "multi_turn", "multi_turn")):
+    for chart, mode in zip(charts, ("multi_request", "multi_turn")):
         (line,) = chart["series"]
         assert [p["x"] for p in line["points"]] == [32, 64]
         for p in line["points"]:
@@ -167,7 +168,7 @@ def test_scbench_page_in_headless_chromium(scbench_runs, tmp_path):
         open_page(driver, tmp_path / "report.html")
         assert console_errors(driver) == []
         run = driver.execute_script
-        assert run("return document.querySelectorAll('#scbench polyline.series').length") == 3  # SnapKV in each chart
+        assert run("return document.querySelectorAll('#scbench polyline.series').length") == 2  # SnapKV in each chart
         run("document.querySelector('#scbench table.sortable tbody tr td.cellitems').click()")
         assert run("return document.getElementById('drawer').classList.contains('hidden')") is False
         run("document.querySelector('#drawer a[data-item]').click()")

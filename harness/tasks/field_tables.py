@@ -164,7 +164,7 @@ def html_section(runs, page, *, sid: str, title: str, views, key: Callable[[dict
     for run in runs:
         if isinstance(run.data.get("rows"), list):
             by_key.setdefault(pair_key(run), []).append(run)
-    blocks, added = [], set()
+    blocks, added, charted = [], set(), set()
     for members in by_key.values():
         members.sort(key=lambda r: (method_name(r) != FULL, r.rel))
         full = next((r for r in members if method_name(r) == FULL), None)
@@ -206,9 +206,12 @@ def html_section(runs, page, *, sid: str, title: str, views, key: Callable[[dict
                         if c in columns and k not in col_items.setdefault(1 + columns.index(c), []):
                             col_items[1 + columns.index(c)].append(k)
             name = f"{title} · {model} · {protocol}{subtitle}"
-            blocks.append(chart(f"{name}: score over all items against the {'budget' if by_budget else 'compression ratio'}",
-                                "budget (tokens kept per head)" if by_budget else "compression ratio (fraction of the context's KV removed)",
-                                "score (%)", points, logx=by_budget, xmin=None if by_budget else 0.0))
+            same = tuple(id(x) for recs in rows.values() for x in recs)  # a view over the records already drawn: no chart
+            if same not in charted:
+                charted.add(same)
+                blocks.append(chart(f"{name}: score over all items against the {'budget' if by_budget else 'compression ratio'}",
+                                    "budget (tokens kept per head)" if by_budget else "compression ratio (fraction of the context's KV removed)",
+                                    "score (%)", points, logx=by_budget, xmin=None if by_budget else 0.0))
             blocks.append({"kind": "table", "id": f"{sid}-{len(blocks)}",
                            "title": f"{name} (click a setting for its items, a score for that column's items){delta_note(subtitle)}",
                            "columns": [{"name": "Setting"}, *[{"name": c, "num": True} for c in columns], {"name": "All items", "num": True},
