@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections import Counter
 
 from metrics.infinitebench import longbook_choice_eng, longbook_qa_chn, longbook_sum_eng, passkey
@@ -145,7 +146,9 @@ def first_function(output: str, lang: str) -> str:
         return output
     from tree_sitter_languages import get_language, get_parser
 
-    parser, query = get_parser(lang), get_language(lang).query(FUNCTION_QUERY[lang])
+    with warnings.catch_warnings():  # tree-sitter 0.21 calls the pinned tree-sitter-languages' loader deprecated
+        warnings.simplefilter("ignore", FutureWarning)
+        parser, query = get_parser(lang), get_language(lang).query(FUNCTION_QUERY[lang])
     for block in blocks:
         data = block.encode("utf8")
         try:
