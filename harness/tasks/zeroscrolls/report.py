@@ -6,7 +6,7 @@ the scorer's 4-decimal rounding; for the ROUGE tasks the corpus geometric mean i
 (and results.json `scores`). Items pair by (task, index)."""
 
 from harness.tasks import field_tables
-from harness.tasks.zeroscrolls.task import DISPLAY, TASKS
+from harness.tasks.zeroscrolls.names import DISPLAY, TASKS
 
 OUTPUT_FILES, OUTPUT_DIRS = ("zeroscrolls.md",), ()
 

@@ -40,18 +40,13 @@ from harness.tasks import contract, field_tables
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.hub_files import data_file
 from harness.tasks.longbench.data import suffix_start
+from harness.tasks.zeroscrolls.names import DISPLAY, MAX_NEW_TOKENS, TASKS
 from harness.tasks.zeroscrolls.scorer import OfficialScorer
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
 GRID_KEYS = ("tasks", "limit", "split")
-# the leaderboard's order; experiments/api/api.py's generation budgets (kvpress's create_huggingface_dataset.py: the same)
-MAX_NEW_TOKENS = {"gov_report": 1024, "summ_screen_fd": 512, "qmsum": 512, "squality": 512, "qasper": 128, "narrative_qa": 64,
-                  "quality": 10, "musique": 32, "space_digest": 36, "book_sum_sort": 256}
-TASKS = tuple(MAX_NEW_TOKENS)
-DISPLAY = {"gov_report": "GvRp", "summ_screen_fd": "SSFD", "qmsum": "QMsm", "squality": "SQAL", "qasper": "Qspr",
-           "narrative_qa": "Nrtv", "quality": "QALT", "musique": "MuSQ", "space_digest": "SpDg", "book_sum_sort": "BkSS"}
 SPLITS = ("validation", "test")
 FIELDS = ("id", "input", "query_start_index", "truncation_seperator")
 
