@@ -26,7 +26,7 @@ from harness.errors import HarnessError
 
 METRIC_FILE = Path("metrics") / "zero_scrolls.py"
 PACKAGE = "_zeroscrolls_official_metrics"
-HOW = ("pass task.scorer_dir=<a local copy of the hub dataset tau/zero_scrolls holding metrics/zero_scrolls.py> "
+HOW = ("pass task.scorer_dir=<a local copy of the hub dataset tau/zero_scrolls holding metrics/zero_scrolls.py> (presets: ZEROSCROLLS_SCORER_DIR) "
        "(huggingface-cli download tau/zero_scrolls --repo-type dataset --include 'metrics/*' --local-dir <dir>)")
 
 
