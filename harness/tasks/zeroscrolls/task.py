@@ -204,7 +204,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     for tag, res in results.items():
         s = res["summary"]
         scores[tag] = {**{DISPLAY[n]: v for n, v in s["scores"].items()}, "Avg.": s["main_score"]}
-    notes = [f"{loaded.name}, {task.protocol}, {task.split} split, official scorer ({task.scorer.path if task.scorer else 'none: no outputs'}), "
+    notes = [f"{loaded.name}, {task.protocol}, {task.split} split, scorer {task.scorer.path if task.scorer else 'none (no outputs)'} (task.scorer_dir), "
              f"input budget {task.budget} tokens (official {task.official_budget}), greedy"
              + (f", new tokens capped at {task.cap}" if task.cap else ", the authors' new tokens per task")
              + ". zero_scrolls_score per task (the leaderboard's abbreviations and order), Avg. = their mean; the paired "
