@@ -131,6 +131,12 @@ def test_both_protocols_score_through_the_scorer_dir(tmp_path, tiny_random, scor
     assert summary["scorer"].endswith("metrics/zero_scrolls.py") and summary["split"] == "validation"
     table = (tmp_path / "agn" / "zeroscrolls_table.md").read_text()
     assert "| Qspr | Nrtv | BkSS | Avg. |" in table and "Minus `full` on the same items" in table
+    from harness.report import build
+
+    build(tmp_path, tmp_path / "tables", resamples=200)  # the table set: zeroscrolls.md, and the paired rows (PAIRING)
+    assert "## ZeroSCROLLS · tiny-random · query_agnostic" in (tmp_path / "tables" / "zeroscrolls.md").read_text()
+    paired = (tmp_path / "tables" / "paired_deltas.csv").read_text()
+    assert paired.count("agn/snapkv_c32_w4_k7_maxpool_expand,") == 4  # qasper, narrative_qa, book_sum_sort, average
     assert not out["failures"] and (tmp_path / "agn" / "snapkv_c32_w4_k7_maxpool_expand" / "zeroscrolls.jsonl").is_file()
     assert "datasets" not in sys.modules or hasattr(sys.modules["datasets"], "load_dataset")  # the real one put back
 
