@@ -15,8 +15,10 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError
 
 
-def data_file(task: DictConfig, filename: str, what: str) -> tuple[Path, str]:
-    """(path of `filename`, its origin for the results: "task.data_dir" or "hub:<repo>/<filename>")."""
+def data_file(task: DictConfig, filename: str, what: str, hub_filename: str | None = None) -> tuple[Path, str]:
+    """(path of `filename`, its origin for the results: "task.data_dir" or "hub:<repo>/<filename>"). `hub_filename`:
+    the file's name on the hub where it differs from the one looked for in task.data_dir (GSM8K: the hub's parquet,
+    the authors' test.jsonl)."""
     if task.get("data_dir"):
         folder = Path(str(task.data_dir)).expanduser()
         if not folder.is_dir():
@@ -25,7 +27,7 @@ def data_file(task: DictConfig, filename: str, what: str) -> tuple[Path, str]:
         if not path.is_file():
             raise HarnessError(f"{path} is missing; task.data_dir must hold {what}'s official files ({filename})")
         return path, "task.data_dir"
-    repo = str(task.hub_repo)
+    repo, filename = str(task.hub_repo), hub_filename or filename
     return hub_file(repo, filename), f"hub:{repo}/{filename}"
 
 
