@@ -100,3 +100,34 @@ def test_a_run_reports_accuracy_length_time_and_peak_bytes_in_both_modes(tmp_pat
         for a, b in zip(alone[tag]["rows"], together[tag]["rows"]):
             assert (a["response"], a["new_tokens"], a["pred"], a.get("decode_events")) == \
                    (b["response"], b["new_tokens"], b["pred"], b.get("decode_events")), tag
+
+
+def test_hub_files_are_the_official_ones_and_offline_fails_in_one_line(tmp_path, monkeypatch):
+    import huggingface_hub
+    import pandas as pd
+
+    from harness.tasks import hub_files
+
+    parquet = tmp_path / "test-00000-of-00001.parquet"  # the hub's GSM8K file: the same rows as the authors' jsonl
+    pd.read_json(FIXTURES / "gsm8k" / "test.jsonl", lines=True).to_parquet(parquet)
+    asked = []
+
+    def download(repo_id, filename, repo_type):
+        asked.append((repo_id, filename, repo_type))
+        if repo_id != "openai/gsm8k":
+            raise OSError("We couldn't connect to 'https://huggingface.co'.\nmore")
+        return str(parquet)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    hub_files.hub_file.cache_clear()
+    try:
+        rows, origin = load_rows(compose("task=gsm8k").task)
+        assert origin == "hub:openai/gsm8k/main/test-00000-of-00001.parquet"
+        assert rows == load_rows(task_cfg("gsm8k"))[0]
+        for name, repo in (("math500", "HuggingFaceH4/MATH-500"), ("aime25", "math-ai/aime25")):
+            with pytest.raises(HarnessError) as err:
+                validate(compose(f"task={name}").task)
+            assert "\n" not in str(err.value) and repo in str(err.value) and "task.data_dir=" in str(err.value)
+        assert asked[1:] == [("HuggingFaceH4/MATH-500", "test.jsonl", "dataset"), ("math-ai/aime25", "test.jsonl", "dataset")]
+    finally:
+        hub_files.hub_file.cache_clear()
