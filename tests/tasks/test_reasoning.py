@@ -58,8 +58,9 @@ def test_bad_data_fails_in_one_line(tmp_path):
     (tmp_path / "test.jsonl").write_text(json.dumps({"question": "1+1?", "answer": "It is 2."}) + "\n")
     with pytest.raises(HarnessError, match="#### <number>"):
         validate(compose("task=gsm8k", f"task.data_dir={tmp_path}").task)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(HarnessError, match="is missing"):
-        validate(compose("task=math500", f"task.data_dir={tmp_path}", "task.data_file=x.jsonl").task)
+        validate(compose("task=math500", f"task.data_dir={tmp_path / 'empty'}").task)
     with pytest.raises(HarnessError, match="\\{problem\\}"):
         validate(task_cfg("math500", "task.prompt=no placeholder"))
 
@@ -124,6 +125,7 @@ def test_hub_files_are_the_official_ones_and_offline_fails_in_one_line(tmp_path,
         rows, origin = load_rows(compose("task=gsm8k").task)
         assert origin == "hub:openai/gsm8k/main/test-00000-of-00001.parquet"
         assert rows == load_rows(task_cfg("gsm8k"))[0]
+        assert load_rows(compose("task=gsm8k", f"task.data_dir={tmp_path}").task) == (rows, "task.data_dir")  # the download, offline
         for name, repo in (("math500", "HuggingFaceH4/MATH-500"), ("aime25", "math-ai/aime25")):
             with pytest.raises(HarnessError) as err:
                 validate(compose(f"task={name}").task)
