@@ -7,11 +7,20 @@ The field's common open evaluation of math-ai/aime25, checked against that code 
 - correct when it equals `str(answer)` under the MATH string normalization (metrics/math_equivalence.py, with the
   variant whose `a/b` fix can fail: `int_slash_errors`). So "\\boxed{070}" is wrong for 70 (no integer parsing),
   and an output without a box is right only when it is the number itself.
+
+`integer` (a named alternative, the rule many reasoning evaluations describe; no official code, so tested against
+values worked out by hand): the answer is an integer 0-999, the content of the last box (spaces, commas, `$` and
+a trailing `.` ignored; a box holding anything else is no answer) or, with no box, the last run of digits in the
+output; right when it equals int(answer): "\\boxed{070}" and "... so 70." are right for 70.
 """
 
 from __future__ import annotations
 
+import re
+
 from metrics.math_equivalence import is_equiv, last_boxed, unbox
+
+_INTEGER = re.compile(r"\d+")
 
 
 def aime_answer(output: str) -> str:
@@ -23,3 +32,17 @@ def aime_answer(output: str) -> str:
 
 def aime_correct(output: str, answer) -> bool:
     return is_equiv(aime_answer(output), str(answer), int_slash_errors=True)
+
+
+def integer_answer(output: str) -> int | None:
+    boxed = unbox(last_boxed(output, space_form=True))
+    if boxed is not None:
+        text = boxed.replace(" ", "").replace(",", "").replace("$", "").rstrip(".")
+        return int(text) if _INTEGER.fullmatch(text) and int(text) <= 999 else None
+    found = [int(d) for d in _INTEGER.findall(output)]
+    return found[-1] if found and found[-1] <= 999 else None
+
+
+def integer_correct(output: str, answer) -> bool:
+    got = integer_answer(output)
+    return got is not None and got == int(str(answer).strip())

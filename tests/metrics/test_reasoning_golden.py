@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from metrics import gsm8k
-from metrics.aime import aime_answer, aime_correct
+from metrics.aime import aime_answer, aime_correct, integer_answer, integer_correct
 from metrics.math_equivalence import _Unnormalizable, is_equiv, last_boxed, math_answer, math_correct, strip_string
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -68,3 +68,15 @@ def test_named_quirks():
     assert is_equiv("x / 2", "x/2") and not is_equiv("x / 2", "x/2", int_slash_errors=True)
     assert math_answer("\\boxed 5") is None and aime_answer("\\boxed 5") == "5"
     assert not aime_correct("\\boxed{070}", 70) and aime_correct("70", 70)  # strings, not integers
+
+
+@pytest.mark.parametrize("output,answer,read,correct", [
+    ("\\boxed{070}", "70", 70, True), ("so $\\boxed{ 70 }$.", 70, 70, True), ("\\boxed{70.}", "70", 70, True),
+    ("\\boxed{1,000}", "999", None, False), ("\\boxed{\\frac{1}{2}}", "1", None, False), ("\\boxed 70", "70", 70, True),
+    ("first \\boxed{12}, then \\boxed{70}", "70", 70, True), ("\\boxed{70} and 12 more", "70", 70, True),
+    ("The answer is 70.", "70", 70, True), ("70 and then 71", "70", 71, False), ("no digits", "70", None, False),
+    ("", "0", None, False), ("It is 1234", "234", None, False), ("x = -70", "70", 70, True), ("\\boxed{}", "0", None, False),
+])
+def test_aime_integer_rule_by_hand(output, answer, read, correct):
+    """The `integer` alternative (no official code): values worked out from its stated rule."""
+    assert integer_answer(output) == read and integer_correct(output, answer) == correct

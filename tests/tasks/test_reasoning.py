@@ -40,7 +40,7 @@ def test_fixtures_load_and_their_reference_solutions_score_correct(name):
     assert load_rows(task_cfg(name, "task.limit=2"))[0] == rows[:2]
 
 
-def test_gsm8k_scorers_are_named_options():
+def test_scorers_are_named_options():
     for scorer in ("openai", "strict", "flexible"):
         validate(task_cfg("gsm8k", f"task.scorer={scorer}"))
     row = load_rows(task_cfg("gsm8k"))[0][0]  # Janet's ducks: 18
@@ -49,6 +49,9 @@ def test_gsm8k_scorers_are_named_options():
     assert not judge("So she makes \\boxed{18} dollars.", row, "openai")[1]  # the official rule needs "#### 18"
     with pytest.raises(HarnessError, match="task.scorer"):
         validate(task_cfg("gsm8k", "task.scorer=hendrycks"))
+    aime = load_rows(task_cfg("aime25", "task.scorer=integer"))[0][0]  # 24
+    assert DATASETS["aime25"].judge("so \\boxed{024}", aime, "integer")[:2] == (24, True)
+    assert not DATASETS["aime25"].judge("so \\boxed{024}", aime, "lm_eval")[1]
 
 
 def test_bad_data_fails_in_one_line(tmp_path):

@@ -9,7 +9,8 @@ step, and put your final answer within \\boxed{}.", the zero-shot prompt of Qwen
 evaluations), in the model's chat format; greedy, at most `task.max_new_tokens`, stopped at the model's EOS ids.
 Scoring (`task.scorer`): GSM8K `flexible` | `strict` (lm-evaluation-harness's gsm8k filters) | `openai`
 (grade-school-math's `#### ` rule), metrics/gsm8k.py; MATH500 `hendrycks` (the MATH paper's boxed answer and string
-normalization, metrics/math_equivalence.py); AIME25 `lm_eval` (lm-evaluation-harness's aime25 rule, metrics/aime.py).
+normalization, metrics/math_equivalence.py); AIME25 `lm_eval` (lm-evaluation-harness's aime25 rule) | `integer` (the
+last box's integer, else the last integer; metrics/aime.py).
 Records carry the answer read (`pred`), `correct`, the output length (`new_tokens`), `decode_seconds` and the cache's
 `peak_cache_bytes` (harness/tasks/long_answers/task.py: measured every step under decode-time compression, else
 bytes after prefill plus every generated token's). Both compression modes run side by side in one methods list:
@@ -38,7 +39,7 @@ from harness.tasks.hub_files import data_file
 from harness.tasks.long_answers.task import common_prefix, peak_cache_bytes
 from harness.tasks.reasoning.report import markdown, paired_vs_full
 from metrics import gsm8k
-from metrics.aime import aime_answer, aime_correct
+from metrics.aime import aime_answer, aime_correct, integer_answer, integer_correct
 from metrics.math_equivalence import is_equiv, math_answer
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ def _math(output: str, row: dict, scorer: str) -> tuple:
 
 
 def _aime(output: str, row: dict, scorer: str) -> tuple:
+    if scorer == "integer":
+        return integer_answer(output), integer_correct(output, row["answer"]), str(row["answer"])
     return aime_answer(output), aime_correct(output, row["answer"]), str(row["answer"])
 
 
@@ -74,7 +77,7 @@ DATASETS = {
     "gsm8k": Dataset("GSM8K", ("question", "answer"), "question", None, gsm8k.RULES, _gsm8k),
     "math500": Dataset("MATH500", ("problem", "solution", "answer", "subject", "level", "unique_id"), "problem", "unique_id",
                        ("hendrycks",), _math, ("subject", "level")),
-    "aime25": Dataset("AIME25", ("problem", "answer", "id"), "problem", "id", ("lm_eval",), _aime),
+    "aime25": Dataset("AIME25", ("problem", "answer", "id"), "problem", "id", ("lm_eval", "integer"), _aime),
 }
 
 
