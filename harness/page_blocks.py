@@ -89,8 +89,11 @@ class Items:
         self.items: dict[str, dict] = {}
 
     def add(self, key: str, title: str, run_id: int, record: dict, *, response: str, score, reference,
-            targets: list[str] = (), extra: dict | None = None) -> str:
+            targets: list[str] = (), extra: dict | None = None, context: str | None = None) -> str:
+        """`context`: a short text shown whole (a math problem) instead of windows of the record's logged prompt."""
         item = self.items.setdefault(key, {"title": title, "reference": reference, "context": [], "settings": []})
+        if not item["context"] and context:
+            item["context"] = [{"start": 0, "end": len(context), "of": len(context), "text": context, "marks": []}]
         if not item["context"] and isinstance(record.get("prompt"), str):
             item["context"] = excerpt(record["prompt"], list(targets))
         entry = {"run": run_id, "response": response, "score": score, "kept": kept_by_layer(record)}

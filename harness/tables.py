@@ -110,6 +110,11 @@ def method_setting(method: dict) -> tuple[str, str | None]:
     elif name == "streamingllm":
         details = [f"sinks {method.get('sink_tokens')}"]
     label = f"{base} {budget}" + (f" ({' '.join(details)})" if details else "")
+    decode = method.get("decode")
+    if isinstance(decode, dict):  # decode-time eviction (harness/methods/decode_time.py): never a paper setting
+        target = decode.get("budget") if decode.get("budget") is not None else f"ratio {decode.get('ratio')}"
+        rerotated = ", rerotated" if decode.get("rerotate") else ""
+        return f"{label} + decode every {decode.get('interval')} to {target}{rerotated}", None
     paper = None
     if ratio is not None and method.get("budget") is None:
         return label, None

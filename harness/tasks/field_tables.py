@@ -151,12 +151,18 @@ def pairing(key: Callable[[dict], tuple], stratum: Callable[[dict], str], *, str
 
 
 def html_section(runs, page, *, sid: str, title: str, views, key: Callable[[dict], tuple], digits: int, strict: bool,
-                 item_label: Callable[[dict], str], intro: str, delta_note: Callable[[str], str] = lambda subtitle: "") -> dict | None:
+                 item_label: Callable[[dict], str], intro: str, delta_note: Callable[[str], str] = lambda subtitle: "",
+                 item_view: Callable[[dict], dict] | None = None, extra_columns: tuple = (),
+                 ylabel: str = "score (%)") -> dict | None:
     """report.html's section of a field benchmark (harness/page_blocks.py), per group of comparable runs (model,
     protocol, task settings) and view (`report`'s views): the score over all scored items against the budget (or kvpress's
     compression ratio when a setting has no budget), one line per method, 95% bootstrap band, full as a horizontal line;
     a sortable table of the authors' columns, the score over all items and its paired difference to full (interval, n);
-    a row opens its run's items, a column cell the column's items; every record is an item (all settings of it)."""
+    a row opens its run's items, a column cell the column's items; every record is an item (all settings of it).
+
+    `item_view(record)`: the item's response, reference and optionally `context` (text shown whole), default the
+    record's response|prediction and answer|ground_truth; `extra_columns`: ({name, num}, value(run, records)) pairs
+    shown after 'All items' (a setting's output length, time, memory, compression mode)."""
     from harness.page_blocks import budget_of, chart, interval, item_group, method_line, model_of, removed_fraction, rounded, setting_label
     from harness.results import method_name, pair_key
 
@@ -189,7 +195,8 @@ def html_section(runs, page, *, sid: str, title: str, views, key: Callable[[dict
                                "hi": rounded(hi, 2), "run": run_id, "full": is_full})
                 d = (deltas.get(run.rel) or {}).get("all")
                 table.append({"run": run_id, "cells": [setting_label(run), *[grouped(recs, groups, columns, digits, strict).get(c) for c in columns],
-                                                       overall, *([d["delta"], d["low"], d["high"], d["n"]] if d else [None] * 4)]})
+                                                       overall, *[value(run, recs) for _, value in extra_columns],
+                                                       *([d["delta"], d["low"], d["high"], d["n"]] if d else [None] * 4)]})
                 page.board.append({"dataset": run.task, "data_dir": subtitle.strip(" ·") or None, "model": model, "run": run,
                                    "compression_ratio": removed_fraction(run), "score": overall, "ci_low": lo, "ci_high": hi, "n": len(values)})
                 group = item_group(run)
@@ -198,10 +205,10 @@ def html_section(runs, page, *, sid: str, title: str, views, key: Callable[[dict
                     k = f"{group}|{run.task}|{r.get('mode', '')}|{'|'.join(map(str, key(r)))}"
                     if (k, run_id) not in added:
                         added.add((k, run_id))
+                        view = item_view(r) if item_view else {"response": str(r.get("response", r.get("prediction", ""))),
+                                                                "reference": str(r.get("answer", r.get("ground_truth", "")))}
                         page.items.add(k, f"{title} · {model} · {item_label(r)}", run_id, r,
-                                       response=str(r.get("response", r.get("prediction", ""))),
-                                       score=rounded(None if r.get("score") is None else 100.0 * r["score"], 2),
-                                       reference=str(r.get("answer", r.get("ground_truth", ""))))
+                                       score=rounded(None if r.get("score") is None else 100.0 * r["score"], 2), **view)
                     for c in groups(r):
                         if c in columns and k not in col_items.setdefault(1 + columns.index(c), []):
                             col_items[1 + columns.index(c)].append(k)
@@ -211,11 +218,11 @@ def html_section(runs, page, *, sid: str, title: str, views, key: Callable[[dict
                 charted.add(same)
                 blocks.append(chart(f"{name}: score over all items against the {'budget' if by_budget else 'compression ratio'}",
                                     "budget (tokens kept per head)" if by_budget else "compression ratio (fraction of the context's KV removed)",
-                                    "score (%)", points, logx=by_budget, xmin=None if by_budget else 0.0))
+                                    ylabel, points, logx=by_budget, xmin=None if by_budget else 0.0))
             blocks.append({"kind": "table", "id": f"{sid}-{len(blocks)}",
                            "title": f"{name} (click a setting for its items, a score for that column's items){delta_note(subtitle)}",
                            "columns": [{"name": "Setting"}, *[{"name": c, "num": True} for c in columns], {"name": "All items", "num": True},
-                                       {"name": "Δ vs full", "num": True}, {"name": "CI low", "num": True}, {"name": "CI high", "num": True},
+                                       *[column for column, _ in extra_columns], {"name": "Δ vs full", "num": True}, {"name": "CI low", "num": True}, {"name": "CI high", "num": True},
                                        {"name": "n", "num": True}],
                            "rows": table, "colItems": {str(k): v for k, v in col_items.items()}})
     if not blocks:

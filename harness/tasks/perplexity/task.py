@@ -31,6 +31,7 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError, require
 from harness.models import LoadedModel
 from harness.tasks.contract import run_shared_items
+from harness.tasks.perplexity.report import table
 from metrics.perplexity import bucket_perplexity, mean_nll, perplexity
 
 log = logging.getLogger(__name__)
@@ -206,25 +207,6 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
         _picture(folder / "perplexity_curve.png", rows_by_tag, bucket, loaded.name, chunk)
         (folder / "perplexity_table.md").write_text(table(results, loaded.name, chunk), encoding="utf-8")
     return results
-
-
-def table(results: dict, model: str, chunk: int) -> str:
-    """The settings side by side (markdown): perplexity overall and after the first compression, the ratio to
-    full with its paired interval, the peak cache bytes, the seconds the reading took."""
-    lines = [f"{model}, chunks of {chunk} tokens. Ratio: exp of the paired mean log-perplexity difference to full over "
-             "(document, bucket) units, 95% bootstrap interval.", "",
-             "| setting | tokens | perplexity | after first compression (from token) | ratio to full [95% CI] | peak cache MiB | seconds |",
-             "|---|---:|---:|---:|---|---:|---:|"]
-    for tag, res in results.items():
-        s = res["summary"]
-        if s.get("main_score") is None:
-            continue
-        vs = s.get("against_full")
-        ratio = f"{vs['ppl_ratio']:.3f} [{math.exp(vs['low']):.3f}, {math.exp(vs['high']):.3f}]" if vs else "–"
-        after = "–" if s.get("first_compression_at") is None else f"{s['perplexity_after_first_compression']:.3f} ({s['first_compression_at']})"
-        lines.append(f"| {tag} | {s['tokens_scored']} | {s['perplexity']:.3f} | {after} | {ratio} | "
-                     f"{s['peak_cache_bytes'] / 2**20:.1f} | {s['seconds']:.0f} |")
-    return "\n".join(lines) + "\n"
 
 
 def _picture(path: Path, rows_by_tag: dict, bucket: int, model: str, chunk: int) -> None:

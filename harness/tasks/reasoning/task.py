@@ -37,7 +37,7 @@ from harness.tasks import contract, field_tables
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.hub_files import data_file
 from harness.tasks.long_answers.task import common_prefix, peak_cache_bytes
-from harness.tasks.reasoning.report import markdown, paired_vs_full
+from harness.tasks.answer_tables import markdown, paired_vs_full
 from metrics import gsm8k
 from metrics.aime import aime_answer, aime_correct, integer_answer, integer_correct
 from metrics.math_equivalence import is_equiv, math_answer
@@ -161,6 +161,7 @@ class ReasoningTask(GenerationTask):
         pred, correct, reference = self.spec.judge(text, row, self.scorer)
         return {"index": item[0], "id": row[self.spec.key] if self.spec.key else item[0], "reference": reference,
                 "pred": pred, "correct": bool(correct), "score": float(correct), "response": text,
+                "problem": str(row[self.spec.problem]),
                 "peak_cache_bytes": peak_cache_bytes(self.loaded, answer), **{k: row[k] for k in self.spec.extra}}
 
     def summarize(self, rows: list[dict]) -> dict:

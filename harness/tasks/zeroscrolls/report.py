@@ -19,7 +19,7 @@ def tables(runs, out, options):
     present = {r.get("task") for run in runs for r in run.data.get("rows") or [] if isinstance(r, dict)}
     columns = [DISPLAY[n] for n in TASKS if n in present]
     return field_tables.report(runs, out, options, name="zeroscrolls", title="ZeroSCROLLS",
-                               views=[("", lambda r: True, columns, lambda r: (DISPLAY.get(r.get("task"), r.get("task")),))],
+                               views=[("", lambda r: True, columns, _column)],
                                key=lambda r: (r["task"], r["index"]), digits=2, strict=False)
 
 
@@ -37,3 +37,20 @@ def _order(name: str) -> tuple:
 
 
 PAIRING = Pairing(items=zeroscrolls_strata, order=_order, average=True, digits=2, label=lambda t: DISPLAY.get(t, t))
+
+
+def _column(r: dict) -> tuple:
+    return (DISPLAY.get(r.get("task"), r.get("task")),)
+
+
+def html_section(runs, page):
+    present = {r.get("task") for run in runs for r in run.data.get("rows") or [] if isinstance(r, dict)}
+    columns = [DISPLAY[n] for n in TASKS if n in present]
+    return field_tables.html_section(
+        runs, page, sid="zeroscrolls", title="ZeroSCROLLS", views=[("", lambda r: True, columns, _column)],
+        key=lambda r: (r["task"], r["index"]), digits=2, strict=False,
+        item_label=lambda r: f"{DISPLAY.get(r.get('task'), r.get('task'))} · item {r.get('index')}",
+        item_view=lambda r: {"response": str(r.get("prediction", "")), "reference": " | ".join(map(str, r.get("references") or []))},
+        intro="Score (%) per task: the mean of the items' own official scores (x 100; for the ROUGE tasks the corpus "
+              "geometric mean is the run's zeroscrolls_table.md); 'All items': the mean over every scored item. Band and CI: "
+              "95% bootstrap interval; Δ: paired difference to full on the same items.")
