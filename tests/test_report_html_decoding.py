@@ -190,3 +190,32 @@ def test_zeroscrolls_section(tmp_path):
     item = next(v for k, v in data["items"].items() if "|zeroscrolls|" in k and v["title"].endswith("Qspr · item 1"))
     assert item["reference"] == "ref 1 | other" and {s["response"] for s in item["settings"]} == {"answer 1"}
     assert {b["dataset"] for b in board} == {"zeroscrolls"}
+
+
+def test_decoding_page_in_headless_chromium(runs, tmp_path):
+    """The three sections draw without a console error; the perplexity chart switches to its NLL variant; a reasoning
+    setting's row lists its problems and a problem opens with the problem text and every setting's response."""
+    from harness.report.browser import console_errors, missing, open_page, start
+
+    if missing():
+        pytest.skip(missing())
+    build(runs, tmp_path, resamples=200, html=True)
+    problem = _records(runs / "gsm8k")["full"]["rows"][0]["problem"]
+    driver = start()
+    try:
+        open_page(driver, tmp_path / "report.html")
+        assert console_errors(driver) == []
+        run = driver.execute_script
+        assert run("return document.querySelectorAll('#perplexity polyline.series').length") == 3
+        run("const s = document.querySelector('#perplexity select.variant'); s.value = 'mean NLL (nats)';"
+            "s.dispatchEvent(new Event('change'))")
+        assert run("return document.querySelectorAll('#perplexity polyline.series').length") == 3
+        assert run("return document.querySelectorAll('#reasoning polyline.series, #long_answers polyline.series').length") >= 2
+        run("document.querySelector('#reasoning table.sortable tbody tr.clickable').click()")
+        assert run("return document.getElementById('drawer').classList.contains('hidden')") is False
+        run("document.querySelector('#drawer a[data-item]').click()")
+        assert run("return document.querySelectorAll('#drawer table.items tbody tr').length") == 3
+        assert problem.strip()[:40] in run("return document.querySelector('#drawer .context pre').textContent")
+        assert console_errors(driver) == []
+    finally:
+        driver.quit()
