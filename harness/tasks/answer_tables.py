@@ -126,7 +126,7 @@ def _rounded(name: str, digits: int):
 def extra_columns():
     from harness.results import method_name
 
-    return ((({"name": "Compression"}), lambda run, recs: mode(recs, method_name(run) == "full")),
+    return (({"name": "Compression"}, lambda run, recs: mode(recs, method_name(run) == "full")),
             ({"name": "New tokens", "num": True}, _rounded("new_tokens", 1)),
             ({"name": "Decode s", "num": True}, _rounded("decode_seconds", 2)),
             ({"name": "Peak cache MiB", "num": True}, _mib))
