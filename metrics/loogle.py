@@ -79,7 +79,7 @@ def rouge_recall(reference: str, hypothesis: str, scorer: str = "official") -> t
     """(ROUGE-1, ROUGE-2, ROUGE-L) recall of the `rouge` package (`get_scores(hyps=[h], refs=[r])[0][m]["r"]`)."""
     try:
         scores = rouge_package_scores(hypothesis, reference, avg=False)[0]
-    except ValueError:  # "Collections must contain at least 1 sentence.": the official script stops here
+    except ValueError:  # "Hypothesis is empty." (no sentence left): the official script stops here
         if scorer == "corrected":
             return 0.0, 0.0, 0.0
         raise
