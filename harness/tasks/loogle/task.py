@@ -38,7 +38,7 @@ from harness.generation.prompt import Prompt, Question
 from harness.models import LoadedModel
 from harness.tasks import contract, field_tables
 from harness.tasks.contract import Built, GenerationTask
-from harness.tasks.hub_files import data_file
+from harness.tasks.hub_files import jsonl_rows
 from metrics.loogle import SCORERS, TASKS, aggregate, hash_seed, meteor_refusal, score_answer, task_metrics
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ def qa_pairs(row: dict, where: str) -> list[dict]:
     return pairs
 
 
-def check_row(row, task: str, where: str) -> dict:
+def check_row(row, where: str, task: str) -> dict:
     require(isinstance(row, dict), f"{where}: expected a JSON object (LooGLE's format)")
     missing = [f for f in ("input", "qa_pairs", "output") if f not in row]
     require(not missing, f"{where}: missing field(s) {', '.join(missing)}")
@@ -85,24 +85,9 @@ def check_row(row, task: str, where: str) -> dict:
     return {**row, "questions": pairs}
 
 
-@lru_cache(maxsize=16)
-def _read(path: str, task: str, _version: tuple) -> tuple[dict, ...]:
-    rows = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(check_row(json.loads(line), task, f"{path}:{number}"))
-            except json.JSONDecodeError as exc:
-                raise HarnessError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-    require(rows, f"{path} has no rows")
-    return tuple(rows)
-
-
 def load_rows(task_cfg: DictConfig, task: str) -> tuple[list[dict], str]:
     """`<task>.jsonl` (the authors' LooGLE-testdata names) from task.data_dir or the hub."""
-    path, origin = data_file(task_cfg, f"{task}.jsonl", "LooGLE")
-    st = path.stat()
-    rows = list(_read(str(path), task, (st.st_mtime_ns, st.st_size)))[: task_cfg.get("limit") or None]
+    rows, origin = jsonl_rows(task_cfg, f"{task}.jsonl", "LooGLE", check_row, task)
     most = task_cfg.get("max_questions")
     return ([{**r, "questions": r["questions"][:most]} for r in rows] if most else rows), origin
 
