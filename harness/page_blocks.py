@@ -113,16 +113,16 @@ class Page:
     board: list = field(default_factory=list)
 
 
-def removed_fraction(run) -> float | None:
+def removed_fraction(run, records: list[dict] | None = None) -> float | None:
     """kvpress's compression ratio: the fraction of the compressed part's KV entries removed (0 for full),
     from each item's resolved budget and its compressed length (the whole prompt query-aware, the
-    context query-agnostic). A method with one budget over every layer and head (KVzip) records no
+    context query-agnostic): the item records given (LongBench keeps them in pred/), else results.json's rows. A method with one budget over every layer and head (KVzip) records no
     per-head budget; its `ratio` is by construction the fraction of all the compressed part's entries
     kept, so 1 - ratio. None when neither says."""
     if method_name(run) == "full":
         return 0.0
     shares = []
-    for r in run.data.get("rows") or []:
+    for r in (run.data.get("rows") or []) if records is None else records:
         budget = r.get("budget_tokens")
         end = r.get("prompt_tokens") if run.protocol == "query_aware" else r.get("question_start")
         if isinstance(budget, (int, float)) and end:

@@ -165,6 +165,11 @@ def test_plan_rows_are_drawn_with_the_gpu_line(tmp_path):
     assert {s["line"]: [p["y"] for p in s["points"]] for s in chart["series"]} == {
         "full · batch 1": [round(23.7e9 / 2**30, 3), round(95.2e9 / 2**30, 3)],
         "snapkv_c1024 · batch 1": [round(15.65e9 / 2**30, 3), round(27.0e9 / 2**30, 3)]}
+    build(tmp_path, tmp_path / "tables")  # the plan task's own table in the table set: plan.md|csv
+    table = list(csv.DictReader((tmp_path / "tables" / "plan.csv").open()))
+    assert sorted((r["run"], r["setting"], int(r["length"]), float(r["peak_gib"]), r["fits"]) for r in table) == sorted(
+        ("plan/lwm", r["setting"], r["length"], round(r["peak_bytes"] / 2**30, 3), str(r["fits"])) for r in rows)
+    assert "## Memory plans" in (tmp_path / "tables" / "README.md").read_text()
 
 
 def test_excerpt_windows_mark_each_answer_and_keep_the_question():

@@ -10,7 +10,7 @@ already compute into blocks (harness/page_blocks.py) the script renders as inlin
   the registry: score against budget or compression ratio, one line per method and protocol with its 95%
   bootstrap band, legend toggles; heatmaps, per-task tables, its items), then the sortable table of the paired
   difference to full (harness.report.paired) of its runs;
-- the reuse gap (harness.report.reuse) and the plan (every plan_rows.jsonl under the folder);
+- the reuse gap (harness.report.reuse); the plan is the plan task's section (harness/tasks/plan/report.py);
 - per item: a click on a heatmap cell, a task's score or a table row shows the prompt around the needle or the
   answers (runs with task.log_prompts=true), and for every setting of that item the response, reference, score
   and what it kept of each span (needle, question) per layer.
@@ -35,7 +35,6 @@ from harness.tables import _protocol_label, method_setting, write_csv
 from harness.tasks import task_reports
 
 PAGE = "report.html"
-PLAN_ROWS = "plan_rows.jsonl"
 
 
 # ------------------------------------------------------------------------------------------ overview
@@ -94,7 +93,7 @@ def page_data(runs, folder: Path, *, resamples: int = DEFAULT_RESAMPLES, seed: i
             section["blocks"].append(paired_table(mine, page.run_ids))
         if section is not None:
             sections.append(section)
-    sections += [s for s in (reuse_section(ordered, page), plan_section(Path(folder))) if s]
+    sections += [s for s in (reuse_section(ordered, page),) if s]
     data = {"title": title or f"Results: {Path(folder).resolve().name}", "folder": str(folder),
             "overview": overview(ordered, page.run_ids, resamples, seed), "sections": sections, "items": page.items.items}
     return data, page.board
@@ -142,58 +141,6 @@ def reuse_section(runs, page: Page) -> dict | None:
     return {"id": "reuse", "title": "Reuse gap", "blocks": blocks, "notes": list(dict.fromkeys(notes)),
             "intro": "What asking a compressed context a question it did not see costs: per method setting run under both "
                      "protocols on the same items, the mean of (query-aware − query-agnostic) over the paired (item, question)s."}
-
-
-def _gpu_gb(folder: Path) -> float | None:
-    """task.gpu_memory_gb of the plan run in `folder` (its results.json, else config.yaml)."""
-    try:
-        data = json.loads((folder / "results.json").read_text(encoding="utf-8"))
-        value = ((data.get("config") or {}).get("task") or {}).get("gpu_memory_gb")
-        if value is None:
-            value = (data.get("summary") or {}).get("gpu_memory_gb")
-        return float(value) if value is not None else None
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
-    try:
-        import yaml
-
-        cfg = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8")) or {}
-        value = (cfg.get("task") or {}).get("gpu_memory_gb")
-        return float(value) if value is not None else None
-    except (OSError, ValueError, TypeError, AttributeError, ImportError):
-        return None
-
-
-def plan_section(folder: Path) -> dict | None:
-    """Every plan_rows.jsonl under the folder (the memory plan's records: setting, length, batch_size, peak_bytes,
-    peak_phase, fits): peak against length, one line per setting and batch, the GPU's memory across."""
-    blocks = []
-    for path in sorted(Path(folder).rglob(PLAN_ROWS)):
-        records = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:  # a torn last line (a plan still running) is skipped
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict) and all(k in record for k in ("setting", "length", "peak_bytes")):
-                records.append(record)
-        if not records:
-            continue
-        points = [{"line": f"{r['setting']} · batch {r.get('batch_size', 1)}", "protocol": "query_aware", "x": int(r["length"]),
-                   "y": round(float(r["peak_bytes"]) / 2**30, 3), "lo": None, "hi": None, "run": None, "full": False} for r in records]
-        where = path.parent.relative_to(folder) if path.parent != Path(folder) else "."
-        figure = chart(f"Plan · {where}: peak memory against length", "prompt tokens", "peak GiB", points, logx=True)
-        figure["gpu"] = _gpu_gb(path.parent)
-        blocks += [figure, {"kind": "table", "id": "memory-plan", "title": "Planned peaks",
-                            "columns": [{"name": "Setting"}, {"name": "Batch", "num": True}, {"name": "Length", "num": True},
-                                        {"name": "Peak GiB", "num": True}, {"name": "Phase"}, {"name": "Fits"}],
-                            "rows": [{"cells": [r["setting"], r.get("batch_size"), r["length"], round(float(r["peak_bytes"]) / 2**30, 3),
-                                                r.get("peak_phase"), r.get("fits")]} for r in records]}]
-    if not blocks:
-        return None
-    return {"id": "memory-plan", "title": "Plan", "blocks": blocks,
-            "intro": "Peak live bytes the plan counted per setting, length and batch (plan_rows.jsonl); the horizontal line "
-                     "is the GPU's memory (task.gpu_memory_gb)."}
 
 
 # ------------------------------------------------------------------------------------------ leaderboard

@@ -268,3 +268,26 @@ def test_methods_list_equals_separate_runs_both_protocols(tmp_path, query_aware)
                 assert 0 < r["question_start"] < r["prompt_tokens"]  # every official template has text after {context}
                 if tag != "full" and not query_aware:
                     assert r["question_kept"] == 1.0  # prefilled after compression, by construction
+
+
+def test_leaderboard_compression_ratio_from_item_records(tmp_path):
+    """`--format kvpress` fills LongBench's compression_ratio from the item records in pred/ (results.json's rows
+    are per task): 1 - mean(budget / compressed length), the compressed length being the whole prompt
+    query-aware; the full cache 0. Expected values from the records the run wrote."""
+    import csv
+
+    from harness.report import build
+    from harness.report.html import LEADERBOARD
+
+    names = ["trec", "passage_count"]
+    base = ["task=longbench", "model=tiny-random", f"task.data_dir={FIXTURES}", "progress=false", datasets(names), "task.limit=2"]
+    listing = "methods=[full,{name: snapkv, budget: 64, window_size: 8}]"
+    execute(compose(*base, listing), tmp_path / "runs", overrides=[*base, listing])
+    build(tmp_path / "runs", tmp_path / "tables", resamples=50, kvpress=True)
+    rows = {r["method"]: r for r in csv.DictReader((tmp_path / "tables" / LEADERBOARD).open())}
+    assert float(rows["no_press"]["compression_ratio"]) == 0.0
+    recs = [json.loads(line) for name in names
+            for line in (tmp_path / "runs" / "snapkv_c64_w8_k7_maxpool_expand" / "pred" / f"{name}.jsonl").read_text().splitlines()]
+    assert len(recs) == 4 and all(r["budget_tokens"] == 64 for r in recs)
+    expected = 1 - sum(min(1.0, 64 / r["prompt_tokens"]) for r in recs) / len(recs)
+    assert float(rows["snapkv"]["compression_ratio"]) == pytest.approx(expected, abs=1e-4) and expected > 0

@@ -372,16 +372,19 @@ def html_section(runs: list[Run], page) -> dict | None:
         table.append({"run": page.run_ids[run.rel], "cells": [model_of(run), setting_label(run), _protocol_label(run.protocol),
                                                               *[rounded((s.get("categories") or {}).get(c), 2) for c in cats],
                                                               *[rounded(s["scores"].get(t), 2) for t in tasks], rounded(s.get("average"), 2)]})
-        page.board.append({"dataset": run.task, "data_dir": None, "model": model_of(run), "run": run, "compression_ratio": removed_fraction(run),
-                           "score": s.get("average"), "ci_low": lo, "ci_high": hi, "n": sum(len(v) for v in per_item.values())})
-        group = item_group(run)
+        group, records = item_group(run), []
         for name, scored in per_item.items():
             for rec in task_predictions(run.path.parent / "pred", name, int(s.get("shards_merged") or 1), (s.get("items") or {}).get(name)):
+                records.append(rec)
                 answers = rec.get("answers") or []
                 page.items.add(f"{group}|{run.task}|{name}|{rec.get('index')}|{rec.get('_id')}", f"{run.task} · {model_of(run)} · {name} · item {rec.get('index')}",
                                page.run_ids[run.rel], rec, response=str(rec.get("pred", "")),
                                score=rounded(scored.get((int(rec["index"]), str(rec.get("_id")))), 2),
                                reference=" | ".join(map(str, answers)), targets=[str(a) for a in answers])
+        # the compression ratio from the item records (pred/): results.json's rows are per task, without budgets
+        page.board.append({"dataset": run.task, "data_dir": None, "model": model_of(run), "run": run,
+                           "compression_ratio": removed_fraction(run, records), "score": s.get("average"), "ci_low": lo, "ci_high": hi,
+                           "n": sum(len(v) for v in per_item.values())})
     blocks = [chart(f"LongBench · {model}: average against the budget", "budget (tokens kept per head)", "average (official metrics × 100)",
                     p, logx=True) for model, p in points.items()]
     blocks.append({"kind": "table", "id": "longbench", "title": "LongBench per category and task (click a row for its items)",

@@ -19,10 +19,10 @@ def _gib(n) -> float | None:
 
 def table_rows(rows: list[dict]) -> list[dict]:
     out = []
-    for r in sorted(rows, key=lambda r: (r["attn_implementation"], r["batch_size"], r["setting"], r["length"])):
+    for r in sorted(rows, key=lambda r: (str(r.get("attn_implementation")), r.get("batch_size", 1), r["setting"], r["length"])):
         largest = (r.get("largest_temporaries") or [{}])[0]
-        out.append({"setting": r["setting"], "attn_implementation": r["attn_implementation"], "planned_as": r.get("planned_as"),
-                    "batch_size": r["batch_size"], "length": r["length"], "peak_gib": _gib(r.get("peak_bytes")), "fits": r.get("fits"),
+        out.append({"setting": r["setting"], "attn_implementation": r.get("attn_implementation"), "planned_as": r.get("planned_as"),
+                    "batch_size": r.get("batch_size", 1), "length": r["length"], "peak_gib": _gib(r.get("peak_bytes")), "fits": r.get("fits"),
                     "peak_phase": r.get("peak_phase"), "weights_gib": _gib(r.get("weights_bytes")),
                     "kv_cache_gib": _gib(r.get("kv_cache_bytes")), "other_gib": _gib(r.get("other_bytes")),
                     "largest_temporary": f"{largest.get('tensor')} {_gib(largest.get('bytes'))} GiB" if largest else None,
