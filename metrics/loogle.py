@@ -37,7 +37,8 @@ SCORERS = ("official", "corrected")
 TASKS = ("shortdep_qa", "longdep_qa", "shortdep_cloze", "longdep_summarization")
 SIM_METRICS = ("bleu1", "bleu4", "rouge1", "rouge2", "rougeL", "meteor")
 MATCH_METRICS = ("exact", "partial")
-OPTIONAL = ("meteor", "bertscore")
+DISPLAY = {"bleu1": "BLEU-1", "bleu4": "BLEU-4", "rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L",
+           "meteor": "METEOR", "exact": "Exact match", "partial": "Partial match"}  # the tables' column names
 
 
 def task_metrics(task: str) -> tuple[str, ...]:

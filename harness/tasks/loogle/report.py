@@ -5,10 +5,16 @@ partial match, matched masks over all masks), x 100 with two decimals, for every
 raised on an answer is '–'."""
 
 from harness.tasks import field_tables
-from harness.tasks.loogle.task import DISPLAY, value
-from metrics.loogle import TASKS
+from metrics.loogle import DISPLAY, TASKS
 
 OUTPUT_FILES, OUTPUT_DIRS = ("loogle.md",), ()
+
+
+def value(row: dict, column: str):
+    """A row's value of one metric column (a DISPLAY label): a number, (matched, masks), or None (raised, absent)."""
+    metric = next(k for k, v in DISPLAY.items() if v == column)
+    v = (row.get("metrics") or {}).get(metric)
+    return None if v is None or isinstance(v, dict) else (tuple(v) if isinstance(v, list) else v)
 
 
 def tables(runs, out, options):

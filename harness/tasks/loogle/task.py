@@ -39,15 +39,14 @@ from harness.models import LoadedModel
 from harness.tasks import contract, field_tables
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.hub_files import jsonl_rows
-from metrics.loogle import SCORERS, TASKS, aggregate, hash_seed, meteor_refusal, score_answer, task_metrics
+from harness.tasks.loogle.report import value
+from metrics.loogle import DISPLAY, SCORERS, TASKS, aggregate, hash_seed, meteor_refusal, score_answer, task_metrics
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
 GRID_KEYS = ("tasks", "limit", "max_questions")
 METRIC_GROUPS = {"bleu": ("bleu1", "bleu4"), "rouge": ("rouge1", "rouge2", "rougeL"), "meteor": ("meteor",)}
-DISPLAY = {"bleu1": "BLEU-1", "bleu4": "BLEU-4", "rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeL": "ROUGE-L",
-           "meteor": "METEOR", "exact": "Exact match", "partial": "Partial match"}
 
 
 @lru_cache(maxsize=1)
@@ -112,6 +111,7 @@ def validate(task_cfg: DictConfig) -> None:
     require("bertscore" not in groups, "task.metrics: bertscore is not computed (it needs roberta-large, a download); drop it")
     for g in groups:
         require(g in METRIC_GROUPS, f"task.metrics: unknown metric {g!r}; known: {', '.join(METRIC_GROUPS)}")
+    require(groups or names == ["shortdep_cloze"], "task.metrics is empty: give bleu, rouge and/or meteor for the QA and summary tasks")
     if "meteor" in groups:
         why = meteor_refusal(task_cfg.get("nltk_data"))
         require(why is None, f"task.metrics=[..., meteor]: {why}")
@@ -176,7 +176,7 @@ class LooGLE(GenerationTask):
         reference = row["questions"][i]["A"]
         values = score_answer(name, text, reference, task_metrics(name) if name == "shortdep_cloze" else self.metrics, self.scorer)
         errors = [f"{DISPLAY[k]}: {v['error']}" for k, v in values.items() if isinstance(v, dict)]
-        primary = values.get("exact" if name == "shortdep_cloze" else "rougeL")
+        primary = values.get("exact" if name == "shortdep_cloze" else "rougeL" if "rougeL" in values else self.metrics[0])
         return {"task": name, "index": index, "title": row.get("title"), "prediction": text, "ground_truth": reference,
                 "metrics": values, "score": None if primary is None or isinstance(primary, dict) else
                 (primary[0] / primary[1] if isinstance(primary, list) else primary),
@@ -206,13 +206,6 @@ class LooGLE(GenerationTask):
                 "truncated_answers": sum(bool(r["truncated"]) for r in rows),
                 "sampling": "greedy, repetition_penalty as task.repetition_penalty (pred_opensource_models.py: 2.0)",
                 "not_computed": "bertscore (roberta-large is a download)"}
-
-
-def value(row: dict, column: str):
-    """A row's value of one metric column (label in DISPLAY): a number, (matched, masks), or None (raised, absent)."""
-    metric = next(k for k, v in DISPLAY.items() if v == column)
-    v = (row.get("metrics") or {}).get(metric)
-    return None if v is None or isinstance(v, dict) else (tuple(v) if isinstance(v, list) else v)
 
 
 def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -> dict:
