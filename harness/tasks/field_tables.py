@@ -1,4 +1,4 @@
-"""The field benchmarks' tables (longbench_v2, infinitebench, scbench): every setting's scores in the authors' layout,
+"""The field benchmarks' tables (longbench_v2, infinitebench, scbench, loogle): every setting's scores in the authors' layout,
 and each compressed setting against the full cache on the same items (paired 95% bootstrap interval of the per-item
 difference, harness/stats.py). A run writes them to its run directory as `<name>_table.md` (`markdown`, from its own
 settings); `python -m harness.report` writes `<name>.md` in the table set (`report`, from every collected run, the runs
