@@ -12,7 +12,8 @@
 The arithmetic is done in RULER's float order (per-sample sum / len(refs), the sum over samples,
 / len(preds), x100, Python's round): ties at x.xx5 then round as RULER's do. An empty list raises
 ZeroDivisionError, as RULER's does. kvpress deletes control characters instead of turning them into
-newlines (`kvpress_postprocess`), which is not RULER's rule; it is here to be named, not used.
+newlines (`kvpress_postprocess`), which is not RULER's rule: it scores kvpress's own RULER data
+(`task.source=kvpress`), as kvpress's calculate_metrics does; the metrics and their qa/other split are the same.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def metric_for(task: str):
     return METRIC_BY_TASK[task]
 
 
-def sample_score(task: str, prediction: str, references: Sequence[str]) -> float:
-    """One sample's score on RULER's 0-100 scale, post-processed as RULER does (the task metric on a
-    one-sample list; the task score is the metric over all samples, not the mean of these)."""
-    return metric_for(task)([postprocess_pred(prediction)], [list(references)])
+def sample_score(task: str, prediction: str, references: Sequence[str], postprocess=postprocess_pred) -> float:
+    """One sample's score on RULER's 0-100 scale, post-processed as RULER does (`postprocess`; kvpress's data:
+    `kvpress_postprocess`) (the task metric on a one-sample list; the task score is the metric over all
+    samples, not the mean of these)."""
+    return metric_for(task)([postprocess(prediction)], [list(references)])

@@ -74,3 +74,25 @@ def test_no_ruler_runs_no_section(tmp_path):
     (tmp_path / "runs").mkdir()
     written = build(tmp_path / "runs", tmp_path / "out", resamples=10)
     assert "ruler.md" not in written["sections"] and not (tmp_path / "out" / "ruler.md").exists()
+
+
+def test_leaderboard_rows_carry_the_reuse_gap_for_generated_samples(tmp_path):
+    """RULER declares PAIRING: a setting run under both protocols gets its reuse gap in leaderboard_kvpress.csv (the mean
+    over tasks of the mean per-sample aware - agnostic difference, by hand here: niah_single_1 +40, vt 0 -> +20), and the
+    dataset column says the samples were generated here (ruler_harness), not kvpress's `ruler`."""
+    from harness.report.html import LEADERBOARD
+
+    runs = tmp_path / "runs"
+    aware = {"niah_single_1": [100.0] * 5, "vt": [100.0, 80.0, 60.0, 100.0, 100.0]}
+    agnostic = {"niah_single_1": [100.0, 0.0, 100.0, 100.0, 0.0], "vt": [100.0, 80.0, 60.0, 100.0, 100.0]}
+    snap = {"name": "snapkv", "ratio": 0.25, "window_size": 32, "kernel_size": 7, "pooling": "maxpool"}
+    _write(runs, "aware/snapkv", snap, "snapkv_r0.25", "query_aware", aware, budget=1000)
+    _write(runs, "agn/snapkv", snap, "snapkv_r0.25", "query_agnostic", agnostic, budget=975)
+    out = tmp_path / "report"
+    build(runs, out, resamples=200, kvpress=True)
+    rows = list(csv.DictReader((out / LEADERBOARD).open()))
+    assert len(rows) == 2 and {r["dataset"] for r in rows} == {"ruler_harness"} and {r["data_dir"] for r in rows} == {"4096"}
+    for r in rows:
+        assert float(r["reuse_gap"]) == 20.0 and float(r["reuse_gap_low"]) <= 20.0 <= float(r["reuse_gap_high"])
+    gap = list(csv.DictReader((out / "reuse_gap.csv").open()))
+    assert {(g["task"], float(g["delta"])) for g in gap} == {("niah_single_1", 40.0), ("vt", 0.0), ("average", 20.0)}

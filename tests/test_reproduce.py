@@ -120,12 +120,12 @@ def test_ruler_leaderboard_is_kvpress_setting():
 
 
 def test_field_presets_plan_every_benchmark_both_protocols():
-    """conf/experiment/field_*: LongBench-v2, InfiniteBench, LooGLE (both protocols) and SCBench (query-agnostic by construction,
+    """conf/experiment/field_*: LongBench-v2, InfiniteBench, LooGLE, ZeroSCROLLS (both protocols) and SCBench (query-agnostic by construction,
     both modes in one job), GPU (two leaderboard models) and CPU (SmolLM2), each benchmark in its own run directories,
     one job per (model, protocol) holding every setting."""
     exps = rp.plan(rp.PARTS, ["field", "field_cpu"], Path("/nonexistent/runs"), models=None, extra=[], longbench_data=None)
     by_name = {e.name: e for e in exps}
-    assert set(by_name) == {f"field_{t}{cpu}" for t in ("longbench_v2", "infinitebench", "scbench", "loogle") for cpu in ("", "_cpu")}
+    assert set(by_name) == {f"field_{t}{cpu}" for t in ("longbench_v2", "infinitebench", "scbench", "loogle", "zeroscrolls") for cpu in ("", "_cpu")}
     for name, exp in by_name.items():
         task = name.removeprefix("field_").removesuffix("_cpu")
         models = {"smollm2-135m"} if name.endswith("_cpu") else {"llama-3.1-8b-instruct", "qwen3-8b"}
@@ -138,6 +138,9 @@ def test_field_presets_plan_every_benchmark_both_protocols():
     assert len(by_name["field_longbench_v2"].jobs) == 68 and len(by_name["field_infinitebench_cpu"].jobs) == 10
     assert len(by_name["field_loogle"].jobs) == 68 and len(by_name["field_loogle_cpu"].jobs) == 10
     assert by_name["field_loogle"].jobs[0].config["task"]["repetition_penalty"] == 2.0
+    assert len(by_name["field_zeroscrolls"].jobs) == 68 and len(by_name["field_zeroscrolls_cpu"].jobs) == 10
+    # the official scorer is the user's copy: the presets read its folder from ZEROSCROLLS_SCORER_DIR (unset here: null)
+    assert {j.config["task"]["scorer_dir"] for j in by_name["field_zeroscrolls"].jobs} == {None}
 
 
 def test_dry_run_counts_every_run(tmp_path):

@@ -138,3 +138,101 @@ def write(run_dir: Path, name: str, text: str) -> Path:
     path = Path(run_dir) / f"{name}_table.md"
     path.write_text(text, encoding="utf-8")
     return path
+
+
+# ------------------------------------------------------------------------------------------ paired reports and report.html
+
+def pairing(key: Callable[[dict], tuple], stratum: Callable[[dict], str], *, strict: bool, **options):
+    """The benchmark's harness.results.Pairing: per stratum (a task, a mode and task, ...), 100 x each record's score by
+    item key (the first record of a key wins); items scored None are left out, and with `strict` a stratum holding one
+    is left out whole (the official scorer raised there: its tables show '–')."""
+    from harness.results import Pairing, number
+
+    def items(run) -> tuple[dict, list[str]]:
+        out: dict[str, dict] = {}
+        broken: set[str] = set()
+        for r in run.data.get("rows") or []:
+            if not isinstance(r, dict) or "score" not in r:
+                continue
+            name = stratum(r)
+            if number(r["score"]):
+                out.setdefault(name, {}).setdefault(key(r), 100.0 * float(r["score"]))
+            elif strict:
+                broken.add(name)
+        return {k: v for k, v in out.items() if k not in broken}, [f"{k}: the official scorer raised; left out" for k in sorted(broken)]
+
+    return Pairing(items=items, **options)
+
+
+def html_section(runs, page, *, sid: str, title: str, views, key: Callable[[dict], tuple], digits: int, strict: bool,
+                 item_label: Callable[[dict], str], intro: str, delta_note: Callable[[str], str] = lambda subtitle: "") -> dict | None:
+    """report.html's section of a field benchmark (harness/page_blocks.py), per group of comparable runs (model,
+    protocol, task settings) and view (`report`'s views): the score over all scored items against the budget (or kvpress's
+    compression ratio when a setting has no budget), one line per method, 95% bootstrap band, full as a horizontal line;
+    a sortable table of the authors' columns, the score over all items and its paired difference to full (interval, n);
+    a row opens its run's items, a column cell the column's items; every record is an item (all settings of it)."""
+    from harness.page_blocks import budget_of, chart, interval, item_group, method_line, model_of, removed_fraction, rounded, setting_label
+    from harness.results import method_name, pair_key
+
+    by_key: dict[str, list] = {}
+    for run in runs:
+        if isinstance(run.data.get("rows"), list):
+            by_key.setdefault(pair_key(run), []).append(run)
+    blocks, added, charted = [], set(), set()
+    for members in by_key.values():
+        members.sort(key=lambda r: (method_name(r) != FULL, r.rel))
+        full = next((r for r in members if method_name(r) == FULL), None)
+        model, protocol = model_of(members[0]), members[0].protocol
+        by_budget = all(budget_of(r) is not None for r in members if r is not full)
+        for subtitle, select, columns, groups, *value in views:  # a view may end with its value(row, column)
+            value = value[0] if value else None
+            rows = {r.rel: [x for x in r.data["rows"] if isinstance(x, dict) and select(x)] for r in members}
+            if not any(rows.values()):
+                continue
+            every = lambda r: ("all",)  # noqa: E731 - the score over all scored items, one paired group
+            deltas = (paired(rows, full.rel, key, lambda r: r.get("score"), every, ["all"], n_resamples=page.resamples,
+                             seed=page.seed) if full else {})
+            points, table, col_items = [], [], {}
+            for run in members:
+                recs, run_id = rows[run.rel], page.run_ids[run.rel]
+                values = [100.0 * r["score"] for r in recs if r.get("score") is not None]
+                overall = round(sum(values) / len(values), digits) if values else None
+                lo, hi = interval(values, page.resamples, page.seed)
+                is_full = run is full
+                x = budget_of(run) if by_budget else (0.0 if is_full else removed_fraction(run))
+                points.append({"line": method_line(run), "protocol": run.protocol, "x": x, "y": overall, "lo": rounded(lo, 2),
+                               "hi": rounded(hi, 2), "run": run_id, "full": is_full})
+                d = (deltas.get(run.rel) or {}).get("all")
+                table.append({"run": run_id, "cells": [setting_label(run), *[grouped(recs, groups, columns, digits, strict, value).get(c) for c in columns],
+                                                       overall, *([d["delta"], d["low"], d["high"], d["n"]] if d else [None] * 4)]})
+                page.board.append({"dataset": run.task, "data_dir": subtitle.strip(" ·") or None, "model": model, "run": run,
+                                   "compression_ratio": removed_fraction(run), "score": overall, "ci_low": lo, "ci_high": hi, "n": len(values)})
+                group = item_group(run)
+                for r in recs:
+                    # one item per record whatever view lists it (SCBench's multi-turn turns are in two views)
+                    k = f"{group}|{run.task}|{r.get('mode', '')}|{'|'.join(map(str, key(r)))}"
+                    if (k, run_id) not in added:
+                        added.add((k, run_id))
+                        page.items.add(k, f"{title} · {model} · {item_label(r)}", run_id, r,
+                                       response=str(r.get("response", r.get("prediction", ""))),
+                                       score=rounded(None if r.get("score") is None else 100.0 * r["score"], 2),
+                                       reference=str(r.get("answer", r.get("ground_truth", ""))))
+                    for c in groups(r):
+                        if c in columns and k not in col_items.setdefault(1 + columns.index(c), []):
+                            col_items[1 + columns.index(c)].append(k)
+            name = f"{title} · {model} · {protocol}{subtitle}"
+            same = tuple(id(x) for recs in rows.values() for x in recs)  # a view over the records already drawn: no chart
+            if same not in charted:
+                charted.add(same)
+                blocks.append(chart(f"{name}: score over all items against the {'budget' if by_budget else 'compression ratio'}",
+                                    "budget (tokens kept per head)" if by_budget else "compression ratio (fraction of the context's KV removed)",
+                                    "score (%)", points, logx=by_budget, xmin=None if by_budget else 0.0))
+            blocks.append({"kind": "table", "id": f"{sid}-{len(blocks)}",
+                           "title": f"{name} (click a setting for its items, a score for that column's items){delta_note(subtitle)}",
+                           "columns": [{"name": "Setting"}, *[{"name": c, "num": True} for c in columns], {"name": "All items", "num": True},
+                                       {"name": "Δ vs full", "num": True}, {"name": "CI low", "num": True}, {"name": "CI high", "num": True},
+                                       {"name": "n", "num": True}],
+                           "rows": table, "colItems": {str(k): v for k, v in col_items.items()}})
+    if not blocks:
+        return None
+    return {"id": sid, "title": title, "blocks": blocks, "intro": intro}

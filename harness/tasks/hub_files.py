@@ -44,6 +44,38 @@ def hub_file(repo: str, filename: str) -> Path:
             f"task.data_dir=<the folder holding it>") from None
 
 
+def data_files(task: DictConfig, folder: str, prefix: str, suffix: str, what: str) -> tuple[list[Path], str]:
+    """Every file `<folder>/<prefix>*<suffix>` of the dataset, in name order (a hub config's parquet shards:
+    `4096/test-00000-of-00002.parquet`, ...): from `task.data_dir` (the same layout) or listed on the hub and
+    downloaded. Returns (paths, origin); none found ends in one line."""
+    def wanted(name: str) -> bool:
+        head, _, tail = name.rpartition("/")
+        return head == folder and tail.startswith(prefix) and tail.endswith(suffix)
+
+    if task.get("data_dir"):
+        root = Path(str(task.data_dir)).expanduser()
+        if not root.is_dir():
+            raise HarnessError(f"task.data_dir={root} is not a folder; give the folder holding {what}'s {folder}/ files")
+        paths = sorted(p for p in (root / folder).glob(f"{prefix}*{suffix}") if p.is_file()) if (root / folder).is_dir() else []
+        if not paths:
+            raise HarnessError(f"{root / folder} holds no {prefix}*{suffix}; task.data_dir must hold {what}'s files as the hub "
+                               f"stores them ({folder}/{prefix}00000-of-00001{suffix})")
+        return paths, "task.data_dir"
+    repo = str(task.hub_repo)
+    try:
+        import huggingface_hub
+
+        names = sorted(n for n in huggingface_hub.list_repo_files(repo, repo_type="dataset") if wanted(n))
+    except Exception as exc:  # offline, no such repo: the same one line as a failed download
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise HarnessError(f"the files of {repo} could not be listed on the hub ({type(exc).__name__}: {reason}); download "
+                           f"https://huggingface.co/datasets/{repo}/tree/main/{folder} where the network allows and pass "
+                           "task.data_dir=<the folder holding it>") from None
+    if not names:
+        raise HarnessError(f"the hub dataset {repo} has no {folder}/{prefix}*{suffix}; check the length (its configs)")
+    return [hub_file(repo, n) for n in names], f"hub:{repo}/{folder}"
+
+
 def jsonl_rows(task: DictConfig, filename: str, what: str, check, *args) -> tuple[list[dict], str]:
     """The rows of a benchmark's `filename` (JSON lines, from task.data_dir or the hub), each passed through
     `check(row, where, *args)` (a module-level function: it refuses a bad row in one line and may return it completed),

@@ -13,7 +13,7 @@ from harness.app import execute
 from harness.errors import HarnessError
 from harness.tasks import contract
 from harness.tasks.scbench import task as sc
-from metrics.scbench import score_one
+from metrics.scbench import score_turn
 
 FIXTURES = REPO / "tests" / "fixtures" / "scbench"
 
@@ -55,6 +55,8 @@ def test_multi_turn_questions_carry_the_gold_history(tiny_random):
     request = task.build(("scbench_qa_eng", 0, "multi_request"))
     assert tok.decode(request.prompt.questions[1].ids).startswith("Question: Who kept the lamp?\nAnswer:")
     assert data["multi_turns"][0]["answer"] == "Mara"
+    summary = sc.multiturn_texts(tok, row("scbench_summary"), "scbench_summary")[2]
+    assert summary and all(f.endswith("<|im_start|>assistant\nThis paper") for f in summary)  # the authors' primer
     tiny_random.prompt_max_length, before = 64, tiny_random.prompt_max_length  # the context budget: middle truncation
     try:
         cut = task.build(("scbench_qa_eng", 0, "multi_turn"))
@@ -77,15 +79,27 @@ def test_both_modes_of_every_task_from_one_run(tmp_path, monkeypatch):
             "methods=[full,{name: snapkv, budget: 32, window_size: 4}]"]
     execute(compose(*args), tmp_path, overrides=args)
     assert len(calls) == 2 * len(sc.SCORED) and all(k == 2 and qa is False and not keep for k, qa, _, keep in calls)
-    assert sorted(n for _, _, n, _ in calls) == sorted(2 * [sc.templates()["max_new_tokens"][t] for t in sc.SCORED])
+    budgets = {t: sc.templates()["max_new_tokens"][t] for t in sc.SCORED}  # a mixed task decodes with its largest budget
+    assert sorted(n for _, _, n, _ in calls) == sorted(2 * [max(b.values()) if isinstance(b, dict) else b for b in budgets.values()])
     recs = [json.loads(line) for line in (tmp_path / "full" / "scbench.jsonl").read_text(encoding="utf-8").splitlines()]
     assert len(recs) == 4 * len(sc.SCORED) and {r["mode"] for r in recs} == set(sc.MODES)
     for r in recs:
-        turn = row(r["task"])["multi_turns"][r["turn_idx"]]
-        assert r["ground_truth"] == sc.ground_truth(turn, r["task"]) and r["score"] == score_one(r["task"], r["prediction"], r["ground_truth"])
+        data = row(r["task"])
+        turn = data["multi_turns"][r["turn_idx"]]
+        repoqa = None
+        if r.get("func_name") and r.get("subtask", "scbench_repoqa") == "scbench_repoqa":  # needles: the repo's repoqa turns
+            needles = [(t["name"], t["answer"]) for t in data["multi_turns"] if t.get("task", "scbench_repoqa") == "scbench_repoqa"]
+            repoqa = {"lang": data["lang"], "func_name": turn["name"], "needles": needles}
+        assert r["ground_truth"] == sc.ground_truth(turn, r["task"])
+        assert r["score"] == score_turn(r["task"], r["prediction"], r["ground_truth"], subtask=r.get("subtask"), mode=r["mode"], repoqa=repoqa)
         assert r["question_index"] == r["turn_idx"] and r["question_kept"] == 1.0 and r["protocol"] == "query_agnostic"
+        assert r.get("subtask") == turn.get("task") if r["task"] in sc.MIXED else "subtask" not in r
     summary = json.loads((tmp_path / "full" / "results.json").read_text(encoding="utf-8"))["summary"]
     assert set(summary["multi_turn"]["by_turn"]["scbench_kv"]) == {"0", "1"} and summary["modes"] == list(sc.MODES)
+    # the mixed tasks per subtask, each turn under its own subtask; repoqa scored (the optional parser is installed here)
+    assert set(summary["multi_request"]["by_turn"]["scbench_summary_with_needles/passkey"]) == {"1"}
+    assert set(summary["multi_turn"]["by_turn"]["scbench_repoqa_and_kv/repoqa"]) == {"0"}
+    assert summary["multi_request"]["scores"]["scbench_repoqa"] is not None
     table = (tmp_path / "scbench_table.md").read_text(encoding="utf-8")
     for head in ("multi-request · per task", "multi-request · per turn", "multi-turn · per task", "multi-turn · per turn"):
         assert f"## SCBench · {head}" in table
@@ -105,5 +119,72 @@ def test_refusals_are_one_line():
         sc.validate(compose(*base, "task.query_aware=true").task)
     with pytest.raises(HarnessError, match="give one or both of multi_request, multi_turn"):
         sc.validate(compose(*base, "task.modes=[multi_request,both]").task)
-    with pytest.raises(HarnessError, match="scbench_repoqa and the mixed tasks are not implemented"):
-        sc.validate(compose(*base, "task.tasks=[scbench_repoqa]").task)
+    with pytest.raises(HarnessError, match="is not an SCBench task"):
+        sc.validate(compose(*base, "task.tasks=[scbench_passkey]").task)
+
+
+def test_repoqa_refused_in_one_line_without_tree_sitter(monkeypatch):
+    monkeypatch.setattr(sc, "tree_sitter_missing", lambda: "scbench_repoqa is scored with tree-sitter (No module named "
+                        "'tree_sitter_languages'); install the optional extra: pip install -e '.[scbench-repoqa]'")
+    for name in ("scbench_repoqa", "scbench_repoqa_and_kv"):
+        with pytest.raises(HarnessError, match=r"scbench-repoqa") as err:
+            sc.validate(compose("task=scbench", f"task.data_dir={FIXTURES}", f"task.tasks=[{name}]").task)
+        assert "\n" not in str(err.value)
+    sc.validate(compose("task=scbench", f"task.data_dir={FIXTURES}", "task.tasks=[scbench_summary_with_needles]").task)
+
+
+def test_mixed_turns_get_their_subtask_budget(tiny_random):
+    """run_scbench.py: the context keeps max_seq_length - sum(budgets) * turns // 2; each turn's answer is cut to its
+    subtask's budget (the record says how many tokens it was allowed)."""
+    task = sc.SCBench(compose("task=scbench", "model=tiny-random", f"task.data_dir={FIXTURES}", "task.max_seq_length=5000",
+                              "task.tasks=[scbench_repoqa_and_kv]"), tiny_random)
+    before, tiny_random.prompt_max_length = tiny_random.prompt_max_length, None
+    try:
+        assert task.budget("scbench_repoqa_and_kv", 2, "multi_turn") == 5000 - (1024 + 80) * 2 // 2
+        assert task.budget("scbench_repoqa_and_kv", 2, "multi_request") == 5000 - 1104 - 1000
+        assert task.budget("scbench_kv", 2, "multi_turn") == 5000 - 150 * 2
+    finally:
+        tiny_random.prompt_max_length = before
+    built = task.build(("scbench_repoqa_and_kv", 0, "multi_request"))
+    assert built.decode == {"max_new_tokens": 1024}
+
+    class Answer:  # a 100-token greedy answer: the kv turn keeps its first 80 tokens
+        generation = type("G", (), {"tokens": [list(range(100, 200))]})()
+
+    kv = task.record(("scbench_repoqa_and_kv", 0, "multi_turn"), built, 1, "", Answer())
+    repo = task.record(("scbench_repoqa_and_kv", 0, "multi_turn"), built, 0, "", Answer())
+    assert kv["subtask"] == "scbench_kv" and kv["new_tokens_allowed"] == 80 and repo["new_tokens_allowed"] == 100
+    assert kv["prediction"] == tiny_random.tokenizer.decode(list(range(100, 180)))
+    assert repo["func_name"] == "merge_counts" and repo["repo"] == "tinyhttp" and repo["lang"] == "python"
+
+
+def test_hub_loading_reads_the_parquet_config(tmp_path, monkeypatch):
+    """microsoft/SCBench holds `<task>/test-00000-of-00001.parquet` per config (what load_dataset(..., split="test")
+    reads); a parquet written here in that layout loads as the authors' jsonl rows, from the hub and from data_dir."""
+    import huggingface_hub
+    import pandas as pd
+
+    from harness.tasks import hub_files
+
+    rows = [json.loads(line) for line in (FIXTURES / "scbench_repoqa_and_kv.jsonl").read_text(encoding="utf-8").splitlines()]
+    hub = tmp_path / "hub"
+    (hub / "scbench_repoqa_and_kv").mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(hub / "scbench_repoqa_and_kv" / "test-00000-of-00001.parquet")
+    asked = []
+
+    def download(repo_id, filename, repo_type):
+        asked.append((repo_id, filename, repo_type))
+        return str(hub / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    hub_files.hub_file.cache_clear()
+    cfg = compose("task=scbench", "task.tasks=[scbench_repoqa_and_kv]").task
+    got, origin = sc.load_rows(cfg, "scbench_repoqa_and_kv")
+    assert asked == [("microsoft/SCBench", "scbench_repoqa_and_kv/test-00000-of-00001.parquet", "dataset")]
+    assert origin == "hub:microsoft/SCBench/scbench_repoqa_and_kv/test-00000-of-00001.parquet"
+    # the parquet struct gives every turn every field (None where the jsonl has none: the kv turn's name)
+    assert [{k: v for k, v in t.items() if v is not None} for t in got[0]["multi_turns"]] == rows[0]["multi_turns"]
+    assert {k: v for k, v in got[0].items() if k != "multi_turns"} == {k: v for k, v in rows[0].items() if k != "multi_turns"}
+    local, origin = sc.load_rows(compose("task=scbench", f"task.data_dir={hub}").task, "scbench_repoqa_and_kv")
+    assert origin == "task.data_dir" and local == got
+    hub_files.hub_file.cache_clear()

@@ -17,3 +17,20 @@ def tables(runs, out, options):
     return field_tables.report(runs, out, options, name="longbench_v2", title="LongBench-v2",
                                views=[("", lambda r: True, list(GROUPS), groups)], key=lambda r: (r["index"], r["_id"]),
                                digits=1, strict=False)
+
+
+def _key(r: dict) -> tuple:
+    return (r["index"], r["_id"])
+
+
+# paired_deltas.md and the reuse gap (query-aware against query-agnostic): one stratum, the accuracy over the items both
+# runs counted (an item pred.py leaves out has score None: in neither side)
+PAIRING = field_tables.pairing(_key, lambda r: "Overall", strict=False, average=False, digits=1, label=lambda _: "accuracy")
+
+
+def html_section(runs, page):
+    return field_tables.html_section(
+        runs, page, sid="longbench_v2", title="LongBench-v2", views=[("", lambda r: True, list(GROUPS), groups)], key=_key,
+        digits=1, strict=False, item_label=lambda r: f"item {r.get('index')} ({r.get('difficulty')}, {r.get('length')})",
+        intro="Accuracy (%) as result.py (an output pred.py leaves out counts in no column); 'All items' = Overall. "
+              "Band and CI: 95% bootstrap interval; Δ: paired difference to full on the items both counted.")

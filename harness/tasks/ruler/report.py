@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from harness.page_blocks import removed_fraction
-from harness.results import method_name, pair_key
+from harness.results import Pairing, method_name, pair_key
 from harness.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, MIN_INTERVAL_ITEMS, stratified_bootstrap_ci
 from harness.tables import Tables, _protocol_label, _safe, clean, markdown_table, method_setting, write_csv
 
@@ -28,6 +28,19 @@ TASK_ORDER = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_
 SHORT = {"niah_single_1": "S1", "niah_single_2": "S2", "niah_single_3": "S3", "niah_multikey_1": "MK1",
          "niah_multikey_2": "MK2", "niah_multikey_3": "MK3", "niah_multivalue": "MV", "niah_multiquery": "MQ",
          "vt": "VT", "cwe": "CWE", "fwe": "FWE", "qa_1": "QA1", "qa_2": "QA2"}
+
+
+# The leaderboard export's `dataset`: kvpress's name for its own RULER data (its leaderboard rows), another for the
+# samples generated here (same rules, the model's own tokenizer: not kvpress's samples)
+DATASETS = {"kvpress": "ruler", "harness": "ruler_harness"}
+
+
+def source(run) -> str:
+    """Whose samples the run scored: summary.source, else task.source of its config, else harness (runs made before it)."""
+    summary = run.data.get("summary") or {}
+    task = (run.config or {}).get("task") if isinstance(run.config, dict) else None
+    value = summary.get("source") or ((task or {}).get("source") if isinstance(task, dict) else None)
+    return str(value or "harness")
 
 
 def _items(run) -> dict[tuple, float]:
@@ -56,6 +69,25 @@ def paired(run, full, length: int, tasks: list[str], resamples: int, seed: int) 
     return out
 
 
+def ruler_strata(run) -> tuple[dict, list[str]]:
+    """Per-item scores for the paired reports (PAIRING): one stratum per RULER task, items (length, index, question)."""
+    out: dict[str, dict] = {}
+    for r in run.data.get("rows") or []:
+        if isinstance(r, dict) and "score" in r and "task" in r and r.get("score") is not None:
+            key = (int(r["length"]), int(r["index"]), int(r.get("question_index") or 0))
+            out.setdefault(str(r["task"]), {})[key] = float(r["score"])
+    return out, []
+
+
+def _task_order(name: str) -> tuple:
+    return (TASK_ORDER.index(name), name) if name in TASK_ORDER else (len(TASK_ORDER), name)
+
+
+# the paired difference to full and the reuse gap (harness/report/paired.py, reuse.py): per task, and the mean of
+# the task means (RULER's average)
+PAIRING = Pairing(items=ruler_strata, order=_task_order, average=True, digits=2, unmatched="{stratum}: no sample in common")
+
+
 def _delta_text(d) -> str:
     if d is None:
         return "–"
@@ -80,7 +112,8 @@ def ruler_rows(runs, resamples: int = DEFAULT_RESAMPLES, seed: int = DEFAULT_SEE
         for length, entry in sorted(summary["by_length"].items(), key=lambda kv: int(kv[0])):
             tasks = [t for t in TASK_ORDER if t in (entry.get("tasks") or {})]
             deltas = paired(run, full, int(length), tasks, resamples, seed) if full is not None else {}
-            row = {"model": str(run.model.get("name", "?")), "protocol": run.protocol, "length": int(length), "setting": label,
+            row = {"model": str(run.model.get("name", "?")), "protocol": run.protocol, "length": int(length), "source": source(run),
+                   "setting": label,
                    "method": method_name(run), "method_tag": run.data.get("method_tag"), "removed": removed_fraction(run),
                    **{t: entry["tasks"].get(t) for t in tasks}, "average": entry.get("average"),
                    "complete": entry.get("complete"), "delta_average": deltas.get("average"), "full_run": full.rel if full else None,
@@ -140,13 +173,14 @@ def ruler_sections(runs, out: Path, *, resamples: int = DEFAULT_RESAMPLES, seed:
         return []
     (out / RULER_DIR).mkdir(parents=True, exist_ok=True)
     tasks = [t for t in TASK_ORDER if any(t in r for r in rows)]
-    fields = ["model", "protocol", "length", "setting", "method_tag", "removed", *tasks, "average", "delta_average", "complete",
+    fields = ["model", "protocol", "length", "source", "setting", "method_tag", "removed", *tasks, "average", "delta_average", "complete",
               "full_run", "run"]
     write_csv(out / "ruler.csv", [{**r, "delta_average": _delta_text(r["delta_average"]) if r["delta_average"] else None}
                                   for r in rows], fields)
     write_csv(out / "ruler_paired.csv", paired_rows, ["setting", "task", "length", "delta", "ci_low", "ci_high", "n", "full_run"])
     md = ["## RULER", "",
-          "RULER's tasks generated offline by its rules, scored by its metrics (string_match_all; qa: string_match_part), "
+          "RULER's tasks generated offline by its rules (or kvpress's pre-generated RULER, task.source=kvpress: said in the "
+          "heading), scored by its metrics (string_match_all; qa: string_match_part), "
           "0-100; Avg. = the mean of the task scores (RULER's per-length number). Δ vs full: the paired difference of the "
           "average to the full-cache run on the same samples, with its 95% bootstrap interval (samples resampled within "
           "each task; no interval under 5 samples per task). Removed: kvpress's compression ratio, the fraction of the "
@@ -154,8 +188,8 @@ def ruler_sections(runs, out: Path, *, resamples: int = DEFAULT_RESAMPLES, seed:
           "model's own tokenizer (docs/ruler.md).", ""]
     keyed: dict[tuple, list] = {}
     for r in rows:
-        keyed.setdefault((r["model"], r["protocol"], r["length"]), []).append(r)
-    for (model, protocol, length), group in sorted(keyed.items()):
+        keyed.setdefault((r["model"], r["protocol"], r["length"], r["source"]), []).append(r)
+    for (model, protocol, length, data), group in sorted(keyed.items()):
         group.sort(key=lambda r: (r["method"] != "full", str(r["method"]), r["removed"] or 0, str(r["setting"])))
         cols = [t for t in tasks if any(r.get(t) is not None for r in group)]
         headers = ["Setting", "Removed", *[SHORT[t] for t in cols], "Avg.", "Δ vs full [95% CI]"]
@@ -163,9 +197,9 @@ def ruler_sections(runs, out: Path, *, resamples: int = DEFAULT_RESAMPLES, seed:
                  *["–" if r.get(t) is None else f"{r[t]:.2f}" for t in cols],
                  "–" if r["average"] is None else f"{r['average']:.2f}" + ("" if r["complete"] else "*"),
                  _delta_text(r["delta_average"])] for r in group]
-        picture = f"{RULER_DIR}/{_safe(model)}_{protocol}_{length}.png"
+        picture = f"{RULER_DIR}/{_safe(model)}_{protocol}_{length}{'' if data == 'harness' else '_' + data}.png"
         ratio_figure(group, out / picture, f"{model} · RULER {length} · {protocol}")
-        md += [f"### {model} · {length} tokens · {protocol}", "",
+        md += [f"### {model} · {length} tokens · {protocol}" + (" · kvpress's RULER data (simonjegou/ruler)" if data == "kvpress" else ""), "",
                markdown_table(headers, body, ["l", "r", *["r"] * len(cols), "r", "l"]), "",
                f"![RULER average vs compression ratio]({picture})", ""]
     md += ["- Columns: " + ", ".join(f"{SHORT[t]} = {t}" for t in tasks) + ". `*`: some task had no finished sample.",
@@ -195,8 +229,9 @@ def html_section(runs, page) -> dict | None:
     blocks = []
     keyed: dict[tuple, list] = {}
     for row in rows:
-        keyed.setdefault((row["model"], row["length"]), []).append(row)
-    for (model, length), group in sorted(keyed.items()):
+        keyed.setdefault((row["model"], row["length"], row["source"]), []).append(row)
+    for (model, length, data), group in sorted(keyed.items()):
+        named = "" if data == "harness" else " · kvpress's data"
         tasks = [t for t in TASK_ORDER if any(r.get(t) is not None for r in group)]
         points, variants, col_items, table = [], {t: [] for t in tasks}, {}, []
         for row in sorted(group, key=lambda r: (r["protocol"], r["method"] != "full", str(r["method"]), r["removed"] or 0)):
@@ -216,7 +251,7 @@ def html_section(runs, page) -> dict | None:
                           "cells": [row["setting"], _protocol_label(row["protocol"]), rounded(row["removed"], 3),
                                     *[rounded(row.get(t), 2) for t in tasks], rounded(row["average"], 2),
                                     *([rounded(d, 2) for d in delta[:3]] + [delta[3]] if delta else [None] * 4)]})
-            page.board.append({"dataset": "ruler", "data_dir": str(length), "model": model, "run": run, "compression_ratio": row["removed"],
+            page.board.append({"dataset": DATASETS.get(source(run), source(run)), "data_dir": str(length), "model": model, "run": run, "compression_ratio": row["removed"],
                                "score": row["average"], "ci_low": lo, "ci_high": hi, "n": sum(len(v) for v in per_task.values())})
             group_key = item_group(run)
             for rec in run.data.get("rows") or []:
@@ -230,11 +265,12 @@ def html_section(runs, page) -> dict | None:
                 if rec["task"] in tasks and key not in col_items.setdefault(3 + tasks.index(rec["task"]), []):
                     col_items[3 + tasks.index(rec["task"])].append(key)
         per_task_charts = {f"{t} ({SHORT.get(t, t)})": chart("", "", "", _from_full(v)) for t, v in variants.items()}
-        blocks.append(chart(f"RULER · {model} · {length} tokens: score against the compression ratio",
+        blocks.append(chart(f"RULER · {model} · {length} tokens{named}: score against the compression ratio",
                             "compression ratio (fraction of the compressed part's KV removed)", "RULER score (0-100)", _from_full(points),
                             xmin=0.0, variants={"average": None, **{k: {"series": c["series"], "hlines": c["hlines"]}
                                                                     for k, c in per_task_charts.items()}}))
-        blocks.append({"kind": "table", "id": f"ruler-{length}", "title": f"RULER per task · {model} · {length} tokens "
+        blocks.append({"kind": "table", "id": f"ruler-{length}{'' if data == 'harness' else '-' + data}",
+                       "title": f"RULER per task · {model} · {length} tokens{named} "
                        "(click a task's score for its samples, a setting for all its items)",
                        "columns": [{"name": "Setting"}, {"name": "Protocol"}, {"name": "Removed", "num": True},
                                    *[{"name": SHORT.get(t, t), "num": True, "title": t} for t in tasks],

@@ -7,6 +7,10 @@ prefix after the wrapper, tokenized as one text. Lengths count that input's toke
 tokens_to_generate, in the model's own tokenizer. Decoding is greedy, at most tokens_to_generate
 tokens, stopped at EOS only (RULER has no stop words; the model's `stop_strings` are not used).
 
+Data (`task.source`): null/`harness`: generated here by RULER's rules; `kvpress`: kvpress's pre-generated RULER
+(`simonjegou/ruler`, its leaderboard's samples, harness/tasks/ruler/kvpress_data.py) read from the hub or
+`task.data_dir`, run through kvpress's split and scored after kvpress's clean-up (control characters deleted).
+
 Protocols: `task.query_aware=true` compresses the whole prompt (RULER as the KV papers run it);
 `false` is kvpress's split: the compressed part is everything before the LAST match of the task's
 question pattern (niah "What is/are all the special magic", vt/cwe/fwe "Question: ...", qa the second
@@ -38,7 +42,7 @@ from harness.tables import _mean
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.ruler.data import (ALL_TASKS, ANSWER_PATTERNS, QA_FILES, SYNTHETIC, TASKS, Sample, TaskGenerator, Wrapper,
                                      qa_files)
-from metrics.ruler import metric_for, postprocess_pred, sample_score
+from metrics.ruler import kvpress_postprocess, metric_for, postprocess_pred, sample_score
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,8 @@ PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")  # both applied (harnes
 GRID_KEYS = ("tasks", "lengths", "samples")  # which items run: a run directory takes another grid (rundir)
 TEMPLATES = ("model", "base")
 SPLITS = ("ruler", "kvpress")
+SOURCES = ("harness", "kvpress")  # who made the samples: RULER's rules run here, or kvpress's hub dataset
+POSTPROCESS = {"harness": postprocess_pred, "kvpress": kvpress_postprocess}  # each source scored as its authors score it
 TABLE_FILE = "ruler_table.md"  # per setting: tasks x lengths and the average (the report compares settings)
 SENTINEL = "\x00RULER\x00"
 ESSAY_TASKS = tuple(t for t, (fam, a) in TASKS.items() if fam == "niah" and a["haystack"] == "essay")
@@ -56,8 +62,14 @@ def task_names(task: DictConfig) -> list[str]:
     return list(SYNTHETIC) if task.get("tasks") is None else [str(t) for t in task.tasks]
 
 
+def source_of(task: DictConfig) -> str:
+    return str(task.get("source") or "harness")
+
+
 def validate(task: DictConfig) -> None:
     names = task_names(task)
+    source = source_of(task)
+    require(source in SOURCES, f"task.source={task.get('source')!r} is not one of {', '.join(SOURCES)} (or null: harness)")
     require(names, "task.tasks is empty; give RULER task names, e.g. task.tasks=[niah_single_1,vt]")
     for name in names:
         require(name in TASKS, f"task.tasks: unknown RULER task {name!r}; known: {', '.join(ALL_TASKS)}")
@@ -67,6 +79,11 @@ def validate(task: DictConfig) -> None:
         require(int(n) > 0, f"task.lengths: {n} is not a positive token count")
     require(int(task.samples) > 0, f"task.samples={task.samples}: give at least one sample per task and length")
     require(str(task.template) in TEMPLATES, f"task.template={task.template!r} is not one of {', '.join(TEMPLATES)}")
+    if source == "kvpress":  # the samples are kvpress's files: nothing to generate, its split only
+        require(task.get("split") in (None, "kvpress"), f"task.source=kvpress runs kvpress's split; task.split={task.get('split')!r} "
+                "cannot re-cut its samples (leave task.split null or kvpress)")
+        require(not task.get("one_key_at_a_time"), "task.one_key_at_a_time needs the samples generated here (task.source=harness)")
+        return
     for name in names:
         if name.startswith("qa_"):
             dataset = TASKS[name][1]["dataset"]
@@ -183,15 +200,18 @@ class RulerTask(GenerationTask):
         if loaded.max_positions:
             require(max(self.lengths) <= loaded.max_positions,
                     f"task.lengths: {max(self.lengths)} exceeds {loaded.name}'s {loaded.max_positions} positions")
-        self.split = str(task.get("split") or "ruler")
+        self.source = source_of(task)
+        self.split = "kvpress" if self.source == "kvpress" else str(task.get("split") or "ruler")
+        self.postprocess = POSTPROCESS[self.source]
+        self.origin: str | None = None  # where kvpress's files came from (task.data_dir or hub:<repo>/<length>)
         self.tokenized = Tokenized(loaded, str(task.template), self.split)
-        self.essay = essay_text(task) if any(n in ESSAY_TASKS for n in self.names) else None
+        self.essay = essay_text(task) if self.source == "harness" and any(n in ESSAY_TASKS for n in self.names) else None
         self.generated: dict[tuple[str, int], list[Sample]] = {}
         self.csv_columns = ("task", "length", "index", *(("question_index",) if self.one_key else ()), "protocol", "score",
                             "prompt_tokens", "question_start", "needle_kept", "question_kept", "budget_tokens", "new_tokens",
                             "stopped_by", "prefill_seconds", "decode_seconds", "references", "response")
-        log.info("ruler: %d task(s) x %d length(s) x %d sample(s), %s, template=%s",
-                 len(self.names), len(self.lengths), self.samples, self.protocol, task.template)
+        log.info("ruler: %d task(s) x %d length(s) x %d sample(s), %s, %s", len(self.names), len(self.lengths), self.samples,
+                 self.protocol, f"template={task.template}" if self.source == "harness" else "kvpress's data and split")
 
     def items(self) -> list[tuple]:
         return [(name, n, i) for n in self.lengths for name in self.names for i in range(self.samples)]
@@ -200,6 +220,8 @@ class RulerTask(GenerationTask):
         return questions_per_sample(key[0], self.one_key)
 
     def sample(self, name: str, length: int, index: int) -> Sample:
+        if self.source == "kvpress":
+            return self.kvpress_sample(name, length, index)
         if (name, length) not in self.generated:  # RULER's first `samples` samples of this task and length, in order
             gen = TaskGenerator(name, length, seed=self.seed, measure=self.tokenized.measure,
                                 wrapper=self.tokenized.wrapper, essay=self.essay, qa_data_dir=self.task.get("qa_data_dir"),
@@ -209,6 +231,16 @@ class RulerTask(GenerationTask):
         if index == self.samples - 1:  # the items run in (length, task, index) order: this task and length are done
             self.generated.pop((name, length), None)
         return s
+
+    def kvpress_sample(self, name: str, length: int, index: int) -> Sample:
+        """The index-th row of the task in kvpress's file of this length (the file read once per length)."""
+        from harness.tasks.ruler.kvpress_data import read_rows, sample_from_row
+
+        if self.generated.get(("kvpress", length)) is None:
+            self.generated = {}  # the items run length by length: one length's rows in memory
+            rows, self.origin = read_rows(self.task, length, self.names, self.samples)
+            self.generated[("kvpress", length)] = rows
+        return sample_from_row(name, index, self.generated[("kvpress", length)][name][index])
 
     def build(self, item) -> Built:
         s = self.sample(*item)
@@ -223,7 +255,8 @@ class RulerTask(GenerationTask):
         kept = [(answer.diagnostics.get(f"{k}_kept"), b - a) for k, (a, b) in built.prompt.spans.items() if k.startswith("needle_")]
         weight = sum(n for _, n in kept)
         out = {"task": name, "length": length, "index": index, "references": references, "response": text,
-               "score": sample_score(name, text, references), "answer_prefix": s.answer_prefix,
+               "score": sample_score(name, text, references, self.postprocess), "answer_prefix": s.answer_prefix,
+               "source": self.source,
                "tokens_to_generate": s.tokens_to_generate,
                "needle_kept": round(sum(k * n for k, n in kept) / weight, 4) if kept and weight and all(k is not None for k, _ in kept) else None}
         if self.one_key:
@@ -233,8 +266,9 @@ class RulerTask(GenerationTask):
         return out
 
     def summarize(self, rows: list[dict]) -> dict:
-        summary = summarize(rows, self.names, self.lengths)
-        summary.update(template=str(self.task.template), split=self.split, seed=self.seed, samples_per_task=self.samples,
+        summary = summarize(rows, self.names, self.lengths, self.postprocess)
+        template = str(self.task.template) if self.source == "harness" else "base"  # kvpress's data: RULER's base template
+        summary.update(template=template, split=self.split, source=self.source, data_origin=self.origin, seed=self.seed, samples_per_task=self.samples,
                        one_key_at_a_time=self.one_key, tokenizer=getattr(self.loaded.tokenizer, "name_or_path", None))
         return summary
 
@@ -258,6 +292,7 @@ def ruler_table(summary: dict, title: str) -> str:
         lines.append(f"| {length}{star} | {' | '.join(cell(part['tasks'][n]) for n in names)} | {cell(part['average'])} |")
     lines += ["", f"{summary['samples']} records, {summary['samples_per_task']} sample(s) per task and length, "
               f"{summary['protocol']}, template={summary['template']}, seed={summary['seed']}"
+              + (", kvpress's RULER data (task.source=kvpress)" if summary.get("source") == "kvpress" else "")
               + (", one key at a time" if summary["one_key_at_a_time"] else "")
               + ". Columns: " + ", ".join(f"{SHORT.get(n, n)} = {n}" for n in names) + "; `*`: a task with no finished sample.", ""]
     return "\n".join(lines)
@@ -268,20 +303,21 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
     return contract.run(RulerTask(cfg, loaded), settings, progress=progress)
 
 
-def task_score(name: str, rows: list[dict]) -> float | None:
-    """RULER's score of one task at one length: its metric over all samples' post-processed predictions."""
+def task_score(name: str, rows: list[dict], postprocess=postprocess_pred) -> float | None:
+    """RULER's score of one task at one length: its metric over all samples' post-processed predictions
+    (kvpress's data: kvpress's clean-up, `kvpress_postprocess`)."""
     if not rows:
         return None
-    return metric_for(name)([postprocess_pred(r["response"]) for r in rows], [r["references"] for r in rows])
+    return metric_for(name)([postprocess(r["response"]) for r in rows], [r["references"] for r in rows])
 
 
-def summarize(rows: list[dict], names: list[str], lengths: list[int]) -> dict:
+def summarize(rows: list[dict], names: list[str], lengths: list[int], postprocess=postprocess_pred) -> dict:
     """Per length: each task's RULER score and their mean (RULER's per-length number); `tasks`: each task's
     mean over lengths; `average` (the headline): the mean of the per-length averages (one length: that
     length's average, the leaderboard's number). Averages use the already-rounded task scores, as RULER."""
     by_length = {}
     for n in lengths:
-        scores = {name: task_score(name, [r for r in rows if r["task"] == name and r["length"] == n]) for name in names}
+        scores = {name: task_score(name, [r for r in rows if r["task"] == name and r["length"] == n], postprocess) for name in names}
         done = [v for v in scores.values() if v is not None]
         by_length[str(n)] = {"tasks": scores, "average": round(sum(done) / len(done), 2) if done else None,
                              "complete": len(done) == len(names)}

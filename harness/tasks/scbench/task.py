@@ -18,7 +18,17 @@ prefilled and compressed once per item and mode, every question prefilled on top
 greedily with at most DATA_NAME_TO_MAX_NEW_TOKENS; in multi_turn question i holds turn 1's query and the follow-ups up to
 i. One named difference: turn 1's query is prefilled after compression (the text after `{context}` in its template),
 where the authors compress it with the context. Answers are decoded with their special tokens (as the authors) and
-scored per turn by metrics/scbench.py (`task.scorer`: official | corrected). Not provided: scbench_repoqa (tree-sitter scoring) and the mixed tasks.
+scored per turn by metrics/scbench.py (`task.scorer`: official | corrected).
+
+The mixed tasks (scbench_summary_with_needles, scbench_repoqa_and_kv) give each turn the new-token budget of its own
+subtask (the turn's `task`) and reserve `sum(budgets) * turns // 2` of the context; every question of an item is
+decoded with the largest budget and each answer cut to its own (greedy: the first n tokens of a longer greedy answer
+are the n-token answer). Their scores are reported per subtask. scbench_repoqa needs tree-sitter (the optional extra
+`scbench-repoqa`); without it the task is refused in one line.
+
+Data: `task.data_dir` holding the authors' `<task>.jsonl` (eval_utils.DATA_NAME_TO_PATH) or the hub's layout
+`<task>/test-00000-of-00001.parquet`; without data_dir that parquet file of `task.hub_repo` (the config and split
+run_scbench.py loads: load_dataset("microsoft/SCBench", <task>, split="test")).
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ from harness.tasks import contract, field_tables
 from harness.tasks.contract import Built, GenerationTask
 from harness.tasks.hub_files import data_file
 from harness.tasks.longbench.data import suffix_start
-from metrics.scbench import SCORERS, TASKS, score_one
+from metrics.scbench import FUNCTION_QUERY, MIXED, SCORERS, TASKS, score_column, score_turn, tree_sitter_missing
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +57,9 @@ PROTOCOL_OPTIONS = ("query_aware", "prefill_chunk_size")
 GRID_KEYS = ("tasks", "limit", "modes")  # not max_turns: the context budget depends on the turn count
 MODES = ("multi_request", "multi_turn")
 DELIMITER = "[SEPSEPSEP]"
-SCORED = tuple(t for t in TASKS if t != "scbench_passkey")  # passkey is only a part of summary_with_needles
+SCORED = tuple(t for t in TASKS if t != "scbench_passkey") + tuple(MIXED)  # passkey is only a part of summary_with_needles
+HUB_FILE = "{task}/test-00000-of-00001.parquet"  # the hub's parquet config, split test
+REPOQA = ("scbench_repoqa", "scbench_repoqa_and_kv")
 
 
 @lru_cache(maxsize=1)
@@ -107,6 +119,8 @@ def multiturn_texts(tokenizer, row: dict, task: str) -> tuple[str, str, list[str
         [{"role": "system", "content": ""}, {"role": "assistant", "content": str(turns[i - 1]["answer"])},
          {"role": "user", "content": templates()["query_templates"][task].format(**turn_fields(turns[i], task))}],
         add_generation_prompt=True, tokenize=False).replace(system, "") for i in range(1, len(turns))]
+    if task == "scbench_summary":  # create_multiturn_prompt primes every follow-up summary with "This paper"
+        follow = [text + "This paper" for text in follow]
     return first, tail, follow
 
 
@@ -134,6 +148,13 @@ def check_row(row, task: str, where: str) -> dict:
         require(isinstance(t, dict) and "input" in t and "answer" in t, f"{where}: multi_turns[{k}] needs input and answer")
         if task == "scbench_choice_eng":
             require(t["answer"] in (t.get("options") or []), f"{where}: multi_turns[{k}] answer is not one of its options")
+        if task in MIXED:
+            require(t.get("task") in MIXED[task], f"{where}: multi_turns[{k}] needs a task, one of {', '.join(MIXED[task])}")
+        if task in REPOQA and (task == "scbench_repoqa" or t.get("task") == "scbench_repoqa"):
+            require(isinstance(t.get("name"), str), f"{where}: multi_turns[{k}] needs the function's name")
+    if task in REPOQA:
+        require(row.get("lang") in FUNCTION_QUERY and isinstance(row.get("repo"), str),
+                f"{where}: needs repo and lang (one of {', '.join(FUNCTION_QUERY)})")
     return row
 
 
@@ -157,8 +178,10 @@ def _read(path: str, task: str, _version: tuple) -> tuple[dict, ...]:
 
 
 def load_rows(task_cfg: DictConfig, task: str) -> tuple[list[dict], str]:
-    """`<task>.jsonl` (eval_utils.DATA_NAME_TO_PATH) from task.data_dir or the hub."""
-    path, origin = data_file(task_cfg, f"{task}.jsonl", "SCBench")
+    """The task's rows: from task.data_dir (`<task>.jsonl`, else the hub's parquet layout) or the hub's parquet."""
+    hub_name = HUB_FILE.format(task=task)
+    local = task_cfg.get("data_dir") and (Path(str(task_cfg.data_dir)).expanduser() / hub_name).is_file()
+    path, origin = data_file(task_cfg, hub_name if local or not task_cfg.get("data_dir") else f"{task}.jsonl", "SCBench")
     st = path.stat()
     rows = list(_read(str(path), task, (st.st_mtime_ns, st.st_size)))[: task_cfg.get("limit") or None]
     turns = task_cfg.get("max_turns")
@@ -173,8 +196,8 @@ def validate(task_cfg: DictConfig) -> None:
     names = task_names(task_cfg)
     require(names, "task.tasks is empty")
     for n in names:
-        require(n in SCORED, f"task.tasks: {n!r} is not an SCBench task this harness runs ({', '.join(SCORED)}); "
-                             "scbench_repoqa and the mixed tasks are not implemented")
+        require(n in SCORED, f"task.tasks: {n!r} is not an SCBench task ({', '.join(SCORED)})")
+        require(n not in REPOQA or not tree_sitter_missing(), f"task.tasks: {n}: {tree_sitter_missing()}")
     modes = list(task_cfg.get("modes") or [])
     require(modes and all(m in MODES for m in modes) and len(set(modes)) == len(modes),
             f"task.modes={modes!r}: give one or both of {', '.join(MODES)}")
@@ -207,6 +230,7 @@ class SCBench(GenerationTask):
         self.modes = [str(m) for m in self.task.modes]
         self.scorer = str(self.task.get("scorer", "official"))
         self.decode = dict(eos_token_ids=loaded.eos_token_ids)
+        self.needles = {n: needles(rows) for n, rows in self.rows.items() if n in REPOQA}
 
     def items(self) -> list[tuple]:
         return [(n, i, m) for m in self.modes for n in self.names for i in range(len(self.rows[n]))]
@@ -216,7 +240,9 @@ class SCBench(GenerationTask):
 
     def budget(self, name: str, turns: int, mode: str) -> int:
         """run_scbench.py: max_seq_length - max_new_tokens * turns, minus 1000 in the multi-request mode; capped at the model."""
-        official = self.max_seq_length - templates()["max_new_tokens"][name] * turns - (1000 if mode == "multi_request" else 0)
+        new = templates()["max_new_tokens"][name]
+        reserved = sum(new.values()) * turns // 2 if isinstance(new, dict) else new * turns  # mixed: run_scbench.py's rule
+        official = self.max_seq_length - reserved - (1000 if mode == "multi_request" else 0)
         own = self.loaded.prompt_max_length
         return min(official, int(own)) if own else official
 
@@ -238,21 +264,32 @@ class SCBench(GenerationTask):
             for text in follow:  # turn i: turn 1's query, then the gold follow-ups 2..i
                 asked.append(asked[-1] + tok.encode(text, add_special_tokens=False))
         questions = [Question(q, {"question": (len(ids), len(ids) + len(q))}) for q in asked]
-        return Built(Prompt(ids, questions=questions), decode={"max_new_tokens": templates()["max_new_tokens"][name]},
+        new = templates()["max_new_tokens"][name]
+        return Built(Prompt(ids, questions=questions), decode={"max_new_tokens": max(new.values()) if isinstance(new, dict) else new},
                      data={"raw_prompt_tokens": len(raw), "truncated": len(kept) < len(raw)})
 
     def record(self, item, built: Built, i: int, text: str, answer) -> dict:
         name, index, mode = item
         turn = self.rows[name][index]["multi_turns"][i]
-        label = ground_truth(turn, name)
+        row, label, subtask = self.rows[name][index], ground_truth(turn, name), turn.get("task") if name in MIXED else None
+        tokens = list(answer.generation.tokens[0])
+        if subtask:  # every question was decoded with the largest budget: the turn's own budget is a prefix of it
+            tokens = tokens[: templates()["max_new_tokens"][name][subtask]]
         # the authors decode the answer with its special tokens (tokenizer.decode without skip_special_tokens)
-        prediction = self.loaded.tokenizer.decode(answer.generation.tokens[0])
+        prediction = self.loaded.tokenizer.decode(tokens)
+        repoqa = None
+        if name in REPOQA and (subtask or name) == "scbench_repoqa":
+            repoqa = {"lang": row["lang"], "func_name": turn["name"], "needles": self.needles[name][row["repo"]]}
         try:
-            score, error = score_one(name, prediction, label, self.scorer), None
+            score, error = score_turn(name, prediction, label, self.scorer, subtask=subtask, mode=mode, repoqa=repoqa), None
         except (TypeError, ValueError) as exc:  # the official scorer raises here (e.g. a list label for a substring test)
             score, error = None, f"{type(exc).__name__}: {exc}"
-        return {"task": name, "index": index, "id": self.rows[name][index].get("id", index), "turn_idx": i,
+        extra = {"subtask": subtask} if subtask else {}
+        if name in REPOQA:
+            extra.update(lang=row["lang"], repo=row["repo"], func_name=turn.get("name"))
+        return {"task": name, "index": index, "id": row.get("id", index), "turn_idx": i, **extra,
                 "prediction": prediction, "ground_truth": label, "score": score, "score_error": error, "mode": mode,
+                "new_tokens_allowed": len(tokens) if subtask else None,
                 "raw_prompt_tokens": built.data["raw_prompt_tokens"], "truncated": built.data["truncated"]}
 
     def summarize(self, rows: list[dict]) -> dict:
@@ -261,18 +298,38 @@ class SCBench(GenerationTask):
                      "use_chat_template": self.chat, "scorer": self.scorer, "data": self.origin, "max_seq_length": self.max_seq_length,
                      "turns": len(rows), "sampling": "greedy (GreedySearch)", "turn1_query": "prefilled after compression"}
         for mode in self.modes:
-            by_task, by_turn = {}, {}
-            for n in self.names:
-                mine = [r for r in rows if r["task"] == n and r["mode"] == mode]
-                bad = [r for r in mine if r["score_error"]]
-                if bad:
-                    out["scorer_errors"][f"{mode}/{n}"] = f"{len(bad)} turn(s): {bad[0]['score_error']}"
-                ok = bool(mine) and not bad
-                by_task[n] = _pct([r["score"] for r in mine]) if ok else None
-                by_turn[n] = {str(t): (_pct([r["score"] for r in mine if r["turn_idx"] == t]) if ok else None)
-                              for t in sorted({r["turn_idx"] for r in mine})}
-            out[mode] = {"scores": by_task, "by_turn": by_turn}
+            out[mode] = mode_scores([r for r in rows if r["mode"] == mode], out["scorer_errors"], mode)
         return out
+
+
+def column(record: dict) -> str:
+    """The score column of a turn's record: its task, or task/subtask for the mixed tasks."""
+    return score_column(record["task"], record.get("subtask"))
+
+
+def mode_scores(rows: list[dict], errors: dict | None = None, mode: str = "") -> dict:
+    """One mode's records: each column's score over its turns and per turn (100 x the mean; None where the official
+    scorer raised). A mixed task's subtask has no entry for a turn without it (compute_scores writes 0.000 there)."""
+    by_task, by_turn = {}, {}
+    for name in dict.fromkeys(column(r) for r in rows):
+        mine = [r for r in rows if column(r) == name]
+        bad = [r for r in mine if r["score_error"]]
+        if bad and errors is not None:
+            errors[f"{mode}/{name}"] = f"{len(bad)} turn(s): {bad[0]['score_error']}"
+        by_task[name] = None if bad else _pct([r["score"] for r in mine])
+        by_turn[name] = {str(t): (None if bad else _pct([r["score"] for r in mine if r["turn_idx"] == t]))
+                         for t in sorted({r["turn_idx"] for r in mine})}
+    return {"scores": by_task, "by_turn": by_turn}
+
+
+def needles(rows: list[dict]) -> dict:
+    """compute_scores' needle_by_repo: per repository, (name, function) of every repoqa turn of the run's items."""
+    out: dict = {}
+    for row in rows:
+        for turn in row["multi_turns"]:
+            if turn.get("task", "scbench_repoqa") == "scbench_repoqa":
+                out.setdefault(row["repo"], []).append((turn["name"], turn["answer"]))
+    return out
 
 
 def _pct(values: list[float]) -> float:
@@ -289,7 +346,7 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
         rows = {tag: [r for r in res["rows"] if r["mode"] == mode] for tag, res in results.items()}
         turns = sorted({r["turn_idx"] for recs in rows.values() for r in recs})
         for title, columns, group in (
-                ("per task", list(task.names), lambda r: (r["task"],)),
+                ("per task", list(dict.fromkeys(column(r) for recs in rows.values() for r in recs)), lambda r: (column(r),)),
                 ("per turn, over the tasks", [f"turn {t + 1}" for t in turns], lambda r: (f"turn {r['turn_idx'] + 1}",))):
             deltas = (field_tables.paired(rows, reference, lambda r: (r["task"], r["index"], r["turn_idx"]), lambda r: r["score"],
                                           group, columns) if reference else {})
