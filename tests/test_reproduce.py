@@ -156,9 +156,9 @@ def test_dry_run_counts_every_run(tmp_path):
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
 
     proc = run_script("--dry-run", "--only", "all", "--launcher", "submitit_slurm", "--out", str(tmp_path / "runs"))
-    assert total(proc.stdout) == (501, {"longbench": 20, "needle": 1, "speed": 2, "modern": 18, "observation": 2, "lines": 2,
+    assert total(proc.stdout) == (579, {"longbench": 20, "needle": 1, "speed": 2, "modern": 18, "observation": 2, "lines": 2,
                                         "ruler": 34, "ruler_cpu": 26, "ruler_gemma_cpu": 8, "ruler_methods_cpu": 92,
-                                        "field": 238, "field_cpu": 35, "plan": 23})
+                                        "field": 306, "field_cpu": 45, "plan": 23})
     assert "hydra/launcher=submitit_slurm" in proc.stdout
     proc = run_script("--dry-run", "--only", "longbench", "--only", "needle", "--models", "mistral-7b-instruct-v0.2",
                       "--out", str(tmp_path / "runs"))

@@ -76,8 +76,12 @@ def test_every_task_runs_with_methods_and_the_tables(tmp_path, tiny_random, awar
     assert "| Setting | BLEU-1 | BLEU-4 | ROUGE-1 | ROUGE-2 | ROUGE-L |" in table and "Minus `full`" in table
     from harness.report import build  # the table set: the same per-task tables, the same cells
 
-    build(tmp_path, tmp_path / "tables", resamples=200)
+    build(tmp_path, tmp_path / "tables", resamples=200, html=True)
     report = (tmp_path / "tables" / "loogle.md").read_text(encoding="utf-8")
+    paired = (tmp_path / "tables" / "paired_deltas.md").read_text(encoding="utf-8")  # PAIRING: per task
+    assert all(f"| {name} |" in paired for name in ("shortdep_qa", "longdep_qa", "shortdep_cloze"))
+    page = (tmp_path / "tables" / "report.html").read_text(encoding="utf-8")  # html_section: a block per task
+    assert all(f"LooGLE · tiny-random · {'query_aware' if aware == 'true' else 'query_agnostic'} · {name}" in page for name in TASKS)
     protocol = "query_aware" if aware == "true" else "query_agnostic"
     for name in TASKS:
         assert f"## LooGLE · tiny-random · {protocol} · {name}" in report
