@@ -76,3 +76,22 @@ def test_batched_decode_of_a_methods_list_equals_each_setting_alone(query_aware,
     want = model.generate(whole, max_new_tokens=12, do_sample=False, repetition_penalty=2.0, attention_mask=torch.ones_like(whole),
                           pad_token_id=0)[0, whole.shape[1]:].tolist()
     assert together["full"].answers[0].generation.tokens[0] == want
+
+
+def test_rows_that_stop_early_keep_their_own_penalty_history(one_thread):
+    """A row that ends at EOS leaves the batch (RowsCache.drop_finished): the others' seen-token flags stay theirs."""
+    model = tiny_model("llama")
+    context = ids(120, 5)
+    prompt = Prompt(context, questions=[Question(ids(6 + i, 10 + i), {"question": (120, 126 + i)}) for i in range(3)])
+    methods = [("full", build_method({"name": "full"})),
+               ("snapkv", build_method({"name": "snapkv", "budget": 48, "window_size": 8, "kernel_size": 5, "pooling": "maxpool"}))]
+    first = generate_settings(loaded_of(model), methods, prompt, query_aware=False, max_new_tokens=12, repetition_penalty=2.0)
+    eos = first["full"].answers[1].generation.tokens[0][3]  # the 4th token of one row: that row stops there
+    loaded = loaded_of(model)
+    loaded.eos_token_ids = [eos]
+    together = generate_settings(loaded, methods, prompt, query_aware=False, max_new_tokens=12, repetition_penalty=2.0)
+    apart = generate_settings(loaded, methods, prompt, query_aware=False, decode_together=False, max_new_tokens=12, repetition_penalty=2.0)
+    stopped = [a.generation.stopped_by[0] for tag, _ in methods for a in together[tag].answers]
+    assert "eos" in stopped and "length" in stopped
+    for tag, _ in methods:
+        assert [a.generation.tokens for a in together[tag].answers] == [a.generation.tokens for a in apart[tag].answers]
