@@ -20,6 +20,8 @@ TASK_ARGS = {
     "lines": (["task=lines", "task.lengths=[320]", "task.positions=[50]", "task.max_new_tokens=3"], "lines_cells.jsonl", "cells"),
     "longbench": (["task=longbench", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'longbench'}", "task.datasets=[trec]",
                    "task.limit=1"], "pred/trec.jsonl", None),
+    "gsm8k": (["task=gsm8k", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'gsm8k'}", "task.limit=1", "task.max_new_tokens=3"],
+              "gsm8k.jsonl", "problems"),
     "long_answers": (["task=long_answers", "task.keys=[4]", "task.samples=1", "task.tokens_per_key=2"], "long_answers.jsonl", "items"),
     "longbench_v2": (["task=longbench_v2", f"task.data_dir={REPO / 'tests' / 'fixtures' / 'longbench_v2'}", "task.limit=1"],
                      "longbench_v2.jsonl", "items"),

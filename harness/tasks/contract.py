@@ -80,6 +80,17 @@ class GenerationTask:
         self.batch_size = 1                # items prefilled and decoded together (those with one batch_key)
         self.batch_key: Callable | None = None
 
+    def capped_budget(self, official: int) -> int:
+        """The authors' input budget in tokens, capped by the model's own limit (model.prompt_max_length) where that is
+        smaller, said once in the log; tasks record both (official_budget, budget)."""
+        self.official_budget = int(official)
+        budget = min(self.official_budget, int(self.loaded.prompt_max_length or self.official_budget))
+        if budget < self.official_budget:
+            logging.getLogger(type(self).__module__).warning(
+                "%s: truncating to %d tokens (model.prompt_max_length of %s), not the official %d", self.task.name, budget,
+                self.loaded.name, self.official_budget)
+        return budget
+
     # ---- what a task says
     def items(self) -> list[tuple]:
         raise NotImplementedError

@@ -15,17 +15,21 @@ from omegaconf import DictConfig
 from harness.errors import HarnessError
 
 
-def data_file(task: DictConfig, filename: str, what: str) -> tuple[Path, str]:
-    """(path of `filename`, its origin for the results: "task.data_dir" or "hub:<repo>/<filename>")."""
+def data_file(task: DictConfig, filename: str, what: str, hub_filename: str | None = None) -> tuple[Path, str]:
+    """(path of `filename`, its origin for the results: "task.data_dir" or "hub:<repo>/<filename>"). `hub_filename`:
+    the file's name on the hub where it differs from the one looked for in task.data_dir (GSM8K: the hub's parquet,
+    the authors' test.jsonl); a folder holding the hub file under its own name (no `filename`) is read too."""
     if task.get("data_dir"):
         folder = Path(str(task.data_dir)).expanduser()
         if not folder.is_dir():
             raise HarnessError(f"task.data_dir={folder} is not a folder; give the folder holding {what}'s {filename}")
         path = folder / filename
+        if not path.is_file() and hub_filename and (folder / Path(hub_filename).name).is_file():
+            path = folder / Path(hub_filename).name  # the downloaded hub file, put there as it is
         if not path.is_file():
             raise HarnessError(f"{path} is missing; task.data_dir must hold {what}'s official files ({filename})")
         return path, "task.data_dir"
-    repo = str(task.hub_repo)
+    repo, filename = str(task.hub_repo), hub_filename or filename
     return hub_file(repo, filename), f"hub:{repo}/{filename}"
 
 

@@ -126,11 +126,7 @@ class InfiniteBench(GenerationTask):
         self.rows = {n: rows for n, (rows, _) in loaded_rows.items()}
         self.origin = next(iter(loaded_rows.values()))[1]
         self.scorer, self.chat = str(self.task.get("scorer", "official")), bool(self.task.get("chat", False))
-        self.official_budget = int(self.task.max_length)
-        self.budget = min(self.official_budget, int(loaded.prompt_max_length or self.official_budget))
-        if self.budget < self.official_budget:
-            log.warning("infinitebench: truncating to %d tokens (model.prompt_max_length of %s), not the official %d",
-                        self.budget, loaded.name, self.official_budget)
+        self.budget = self.capped_budget(self.task.max_length)
         self.cap = self.task.get("max_new_tokens")
         self.decode = dict(eos_token_ids=loaded.eos_token_ids)
 

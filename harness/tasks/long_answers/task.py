@@ -62,6 +62,26 @@ def score_pairs(response: str, expected: list[tuple[str, int]]) -> dict:
             "all_correct": hits == len(expected)}
 
 
+def peak_cache_bytes(loaded: LoadedModel, answer) -> int | None:
+    """The cache's largest size in bytes while the answer was written: measured every step under a decode rule
+    (the evictor's `peak_cache_bytes`); for prefill-only compression (and `full`) the cache only grows, so it is the
+    bytes after the prefill plus one token's keys and values, every layer, per generated token."""
+    diag = answer.diagnostics
+    if diag.get("peak_cache_bytes") is not None:
+        return diag["peak_cache_bytes"]
+    if diag.get("cache_bytes") is None:
+        return None
+    config = loaded.model.config.get_text_config() if hasattr(loaded.model.config, "get_text_config") else loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    size = next(loaded.model.parameters()).element_size()
+    # heads stored per KV head (gqa=expand keeps one per query head): from the first layer's heads after prefill
+    after = diag.get("kv_positions_after_prefill")
+    kv_heads = int(config.num_key_value_heads)
+    heads = kv_heads * (max(1, int(after[0][0]) // kv_heads) if after else 1)
+    token_bytes = 2 * config.num_hidden_layers * heads * head_dim * size
+    return diag["cache_bytes"] + len(answer.generation.tokens[0]) * token_bytes
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -82,10 +102,6 @@ class LongAnswersTask(GenerationTask):
         self.samples = list(range(int(self.task.samples)))
         self.per_key = int(self.task.tokens_per_key)
         self.decode = {"min_new_tokens": 0}
-        config = loaded.model.config.get_text_config() if hasattr(loaded.model.config, "get_text_config") else loaded.model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        size = next(loaded.model.parameters()).element_size()
-        self.token_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size  # one token, every layer
         log.info("long_answers: %s keys x %d sample(s), %s", self.counts, len(self.samples), self.protocol)
 
     def items(self):
@@ -103,18 +119,8 @@ class LongAnswersTask(GenerationTask):
 
     def record(self, item, built: Built, i: int, text: str, answer) -> dict:
         n, sample = item
-        diag = answer.diagnostics
-        peak = diag.get("peak_cache_bytes")
-        if peak is None and diag.get("cache_bytes") is not None:  # prefill-only: the cache only grows while decoding
-            peak = diag["cache_bytes"] + len(answer.generation.tokens[0]) * self.token_bytes * self._expansion(diag)
-        return {"keys": n, "sample": sample, "response": text.strip(), "peak_cache_bytes": peak,
+        return {"keys": n, "sample": sample, "response": text.strip(), "peak_cache_bytes": peak_cache_bytes(self.loaded, answer),
                 **score_pairs(text, built.data["expected"])}
-
-    def _expansion(self, diag) -> int:
-        """Heads stored per KV head (gqa=expand stores one per query head): from the first layer's heads after prefill."""
-        after = diag.get("kv_positions_after_prefill")
-        config = self.loaded.model.config.get_text_config() if hasattr(self.loaded.model.config, "get_text_config") else self.loaded.model.config
-        return max(1, int(after[0][0]) // int(config.num_key_value_heads)) if after else 1
 
     def summarize(self, rows: list[dict]) -> dict:
         def mean(key, subset=None):

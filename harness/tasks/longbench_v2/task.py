@@ -116,12 +116,7 @@ class LongBenchV2(GenerationTask):
         super().__init__(cfg, loaded)
         self.rows, self.origin = load_rows(self.task)
         self.scorer, self.compensated = str(self.task.get("scorer", "official")), bool(self.task.get("compensated", False))
-        self.official_budget = int(self.task.max_length)
-        own = loaded.prompt_max_length or self.official_budget
-        self.budget = min(self.official_budget, int(own))
-        if self.budget < self.official_budget:
-            log.warning("longbench_v2: truncating to %d tokens (model.prompt_max_length of %s), not the official %d",
-                        self.budget, loaded.name, self.official_budget)
+        self.budget = self.capped_budget(self.task.max_length)
         self.template = template()
         self.decode = dict(max_new_tokens=MAX_NEW_TOKENS, eos_token_ids=loaded.eos_token_ids)
 

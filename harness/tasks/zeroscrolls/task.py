@@ -127,11 +127,7 @@ class ZeroScrolls(GenerationTask):
         self.split = str(self.task.get("split") or "validation")
         scored = any(i["references"] for items in self.items_by_task.values() for i in items)
         self.scorer = OfficialScorer(self.task.get("scorer_dir")) if scored else None
-        self.official_budget = int(self.task.max_input_tokens)
-        self.budget = min(self.official_budget, int(loaded.prompt_max_length or self.official_budget))
-        if self.budget < self.official_budget:
-            log.warning("zeroscrolls: input budget %d tokens (model.prompt_max_length of %s), not the official %d",
-                        self.budget, loaded.name, self.official_budget)
+        self.budget = self.capped_budget(self.task.max_input_tokens)
         self.cap = self.task.get("max_new_tokens")
         self.decode = dict(eos_token_ids=loaded.eos_token_ids)
 
