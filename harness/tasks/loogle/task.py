@@ -137,9 +137,7 @@ class LooGLE(GenerationTask):
         self.scorer, self.metrics = str(self.task.get("scorer", "official")), metric_names(self.task)
         own, asked = loaded.prompt_max_length, self.task.get("max_length")
         require(asked or own, "task.max_length is null and the model has no prompt_max_length: give the truncation budget")
-        self.budget = min(int(asked or own), int(own or asked))
-        if asked and self.budget < int(asked):
-            log.warning("loogle: truncating to %d tokens (model.prompt_max_length of %s), not task.max_length=%d", self.budget, loaded.name, asked)
+        self.budget = self.capped_budget(asked) if asked else int(own)  # the authors' --max_length is set per model
         self.cap = self.task.get("max_new_tokens")
         self.decode.update(eos_token_ids=loaded.eos_token_ids)
 
@@ -202,7 +200,7 @@ class LooGLE(GenerationTask):
                 "metrics": list(self.metrics), "meteor_hash_seed": hash_seed() if "meteor" in self.metrics else None,
                 "documents": {n: sum(1 for r in rows if r["task"] == n and r["question_index"] == 0) for n in self.names},
                 "questions": {n: sum(r["task"] == n for r in rows) for n in self.names}, "data": self.origin,
-                "truncation_budget": self.budget, "max_new_tokens_cap": self.cap, "chat": False,
+                "truncation_budget": self.budget, "max_length": self.task.get("max_length"), "max_new_tokens_cap": self.cap, "chat": False,
                 "truncated_answers": sum(bool(r["truncated"]) for r in rows),
                 "sampling": "greedy, repetition_penalty as task.repetition_penalty (pred_opensource_models.py: 2.0)",
                 "not_computed": "bertscore (roberta-large is a download)"}
