@@ -103,6 +103,12 @@ def test_answer_sections_accuracy_length_time_memory_and_paired_difference(runs,
     assert len(items) == 6
     for item in items.values():
         assert sorted(tag_of[s["run"]] for s in item["settings"]) == sorted(recs)
+    if task == "long_answers":  # the reference: the document's pairs, one `key: value` line each, as the task scores them
+        from harness.tasks.long_answers.task import parse_pairs
+
+        first = recs["full"]["rows"][0]
+        item = next(v for v in items.values() if v["title"].endswith(f"{first['keys']} keys · sample {first['sample']}"))
+        assert item["reference"] == first["reference"] and len(parse_pairs(item["reference"])) == first["keys"]
     if task == "gsm8k":
         first = recs["full"]["rows"][0]
         item = next(v for v in items.values() if v["title"].endswith(f"problem 0 ({first['id']})"))

@@ -27,7 +27,9 @@ PAIRING = answer_tables.pairing(_key, _keys, average=True)
 
 def _view(r: dict) -> dict:
     return {"response": f"[{r.get('pairs_correct')} of {r.get('keys')} pairs right in place, {r.get('pairs_parsed')} parsed]\n"
-                        f"{r.get('response', '')}", "reference": f"the document's {r.get('keys')} pairs, in order"}
+                        f"{r.get('response', '')}",
+            # the document's pairs, in order (records carry them since this page; older ones name them only)
+            "reference": r.get("reference") or f"the document's {r.get('keys')} pairs, in order"}
 
 
 def _columns(runs) -> list[str]:

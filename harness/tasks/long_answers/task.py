@@ -119,8 +119,9 @@ class LongAnswersTask(GenerationTask):
 
     def record(self, item, built: Built, i: int, text: str, answer) -> dict:
         n, sample = item
+        expected = built.data["expected"]
         return {"keys": n, "sample": sample, "response": text.strip(), "peak_cache_bytes": peak_cache_bytes(self.loaded, answer),
-                **score_pairs(text, built.data["expected"])}
+                "reference": "\n".join(f"{k}: {v}" for k, v in expected), **score_pairs(text, expected)}
 
     def summarize(self, rows: list[dict]) -> dict:
         def mean(key, subset=None):
