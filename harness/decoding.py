@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from harness.errors import HarnessError
 from harness.memory_plan import values
 
 
@@ -99,6 +100,8 @@ def greedy_decode(
     tokenizer=None,
     min_new_tokens: int = 0,
     ignore_eos: bool = False,
+    repetition_penalty: float | None = None,
+    penalty_history: list[list[int]] | None = None,
 ) -> tuple[list[list[int]], list[float], list[str]]:
     """Greedy decoding from the prefill's last `logits` (B, vocab); token t sits at prompt_length + t
     (`prompt_length`: an int, or a (B,) tensor of each row's own, as `forward_tokens` takes).
@@ -106,6 +109,10 @@ def greedy_decode(
     Stops a row at any EOS id or stop token id (the token is kept, as `generate` does), or when its
     decoded text contains a stop string. `min_new_tokens` forbids EOS/stop tokens for the first
     steps (LongBench's samsum rule). `ignore_eos` decodes exactly `max_new_tokens` (benchmarks).
+    `repetition_penalty` (off when None or 1; LooGLE's 2.0): before each argmax, the logit of every token a row has
+    seen (its `penalty_history`, the uncompressed prompt ids it was asked, then its own new tokens) is divided by
+    the penalty where positive and multiplied where negative, as transformers' RepetitionPenaltyLogitsProcessor
+    does over `generate`'s input_ids (the prompt and the tokens so far).
     Returns (tokens per row, seconds per step, why each row stopped)."""
     device = logits.device
     batch = logits.shape[0]
@@ -116,6 +123,7 @@ def greedy_decode(
     stopped = ["length"] * batch
     steps: list[float] = []
     active, positions = list(range(batch)), prompt_length  # the rows still computed (logits has one row each)
+    seen = _seen_tokens(penalty_history, batch, logits) if repetition_penalty not in (None, 1, 1.0) else None
     from harness.methods.inplace import reserve
 
     reserve(cache, max_new_tokens)  # room for every token to come: appends write in place (at most one copy now)
@@ -123,12 +131,16 @@ def greedy_decode(
         if banned is not None and t < min_new_tokens:
             logits = logits.clone()
             logits[:, banned] = float("-inf")
+        if seen is not None:
+            logits = penalize_repetition(logits, seen[active], float(repetition_penalty))
         next_ids = logits.argmax(dim=-1)
         ids = values(next_ids)  # a planned run (fake tensors, harness/memory_plan.py) has no values to read
         for row, tok in zip(active, ids):
             if done[row]:
                 continue
             tokens[row].append(tok)
+            if seen is not None:
+                seen[row, tok] = True
             if not ignore_eos and tok in enders:
                 done[row], stopped[row] = True, "eos"
             elif stop_strings and tokenizer is not None:
@@ -156,6 +168,25 @@ def greedy_decode(
         _sync(model)
         steps.append(time.perf_counter() - start)
     return tokens, steps, stopped
+
+
+def _seen_tokens(history, batch: int, logits: torch.Tensor) -> torch.Tensor:
+    """(batch, vocab) flags of the tokens each row has seen so far (its penalty history)."""
+    if history is None or len(history) != batch:
+        raise HarnessError(f"repetition_penalty needs one penalty_history (prompt ids) per row: {batch} rows, "
+                           f"{'none' if history is None else len(history)} given")
+    seen = torch.zeros(batch, logits.shape[-1], dtype=torch.bool, device=logits.device)
+    for row, ids in enumerate(history):
+        if len(ids):
+            seen[row, torch.as_tensor(list(ids), dtype=torch.long, device=logits.device)] = True
+    return seen
+
+
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The logits of the `seen` tokens divided by `penalty` where positive, multiplied where negative (in float32,
+    as `generate` scores; a penalty of 2 is exact in any float type)."""
+    scores = logits.float()
+    return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
 @torch.inference_mode()

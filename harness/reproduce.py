@@ -72,14 +72,17 @@ PARTS: dict[str, Part] = {
                               "protocols, full + the 15 methods at compression ratios 0.25/0.5/0.75",
                               ("ruler_methods_cpu",), "CPU (hours)"),
     "field": Part("The field's benchmarks for the leaderboard models: Llama-3.1-8B-Instruct, Qwen3-8B x LongBench-v2 (503), "
-                  "InfiniteBench (12 tasks), ZeroSCROLLS (10 tasks, validation; the official scorer from a local copy), both protocols, and SCBench (9 tasks, multi-request and multi-turn), full + "
+                  "InfiniteBench (12 tasks), LooGLE (4 tasks), ZeroSCROLLS (10 tasks, validation; the official scorer from a local "
+                  "copy), both protocols, and SCBench (9 tasks, multi-request and multi-turn), full + "
                   "SnapKV/PyramidKV/StreamingLLM/H2O at compression ratios 0.25/0.5/0.75/0.875 (docs/field_benchmarks.md)",
-                  ("field_longbench_v2", "field_infinitebench", "field_scbench", "field_zeroscrolls"),
+                  ("field_longbench_v2", "field_infinitebench", "field_scbench", "field_zeroscrolls", "field_loogle"),
                   "one 80 GB GPU (128K contexts; Llama-3.1 is gated: HF_TOKEN); hub data or task.data_dir"),
     "field_cpu": Part("The field's benchmarks on a CPU: SmolLM2-135M, LongBench-v2 (20 short questions) and InfiniteBench "
-                      "(6 tasks x 5) and ZeroSCROLLS (5 tasks x 5) in both protocols, SCBench (4 tasks x 2, 3 turns, both modes), truncated to 7500 tokens, "
+                      "(6 tasks x 5), ZeroSCROLLS (5 tasks x 5) and LooGLE (4 tasks x 2 documents x 3 questions) in both "
+                      "protocols, SCBench (4 tasks x 2, 3 turns, both modes), truncated to 7500 tokens, "
                       "full + SnapKV/StreamingLLM at ratios 0.5/0.75",
-                      ("field_longbench_v2_cpu", "field_infinitebench_cpu", "field_scbench_cpu", "field_zeroscrolls_cpu"), "CPU (hours); hub data or task.data_dir"),
+                      ("field_longbench_v2_cpu", "field_infinitebench_cpu", "field_scbench_cpu", "field_zeroscrolls_cpu",
+                       "field_loogle_cpu"), "CPU (hours); hub data or task.data_dir"),
     "plan": Part("The paper's memory claims as predictions, planned on a CPU (task=plan, fake tensors): LWM-Text-Chat-1M "
                  "fp16 on 80 GB, batch 1/2, full (eager, sdpa, FlashAttention-2, 4.37 logits) vs SnapKV 1024/2048; "
                  "Llama-3.1-8B, Qwen3-8B, Mixtral 8x7B, Gemma 3 12B at 32K-128K on 24/48/80/140 GB",

@@ -159,18 +159,31 @@ class _RougeCall(threading.Thread):
     official one whatever the caller's depth (Hydra, pytest, ...). The limit is not touched.
     """
 
-    def __init__(self, prediction: Any, ground_truth: Any) -> None:
+    def __init__(self, prediction: Any, ground_truth: Any, avg: bool = True) -> None:
         super().__init__(name="longbench-rouge", daemon=True)
         self._prediction = prediction
         self._ground_truth = ground_truth
-        self.value: float = 0.0
+        self._avg = avg
+        self.scores: Any = None
+        self.error: Exception | None = None
 
     def run(self) -> None:  # keep get_scores a direct callee of run (see class docstring)
         try:
-            scores = _rouge_class()().get_scores([self._prediction], [self._ground_truth], avg=True)
-            self.value = scores["rouge-l"]["f"]
-        except Exception:  # quirk: any failure scores 0.0 (the official code uses a bare except)
-            self.value = 0.0
+            self.scores = _rouge_class()().get_scores([self._prediction], [self._ground_truth], avg=self._avg)
+        except Exception as exc:  # the caller decides (LongBench: any failure scores 0.0)
+            self.error = exc
+
+
+def rouge_package_scores(prediction: str, ground_truth: str, avg: bool = True) -> Any:
+    """`Rouge().get_scores([prediction], [ground_truth], avg=avg)` of the `rouge` 1.0.1 package, called as the 4th
+    frame of a fresh thread (see `_RougeCall`); raises what it raised."""
+    _rouge_class()  # import in the calling thread (import errors surface as such)
+    call = _RougeCall(prediction, ground_truth, avg)
+    call.start()
+    call.join()
+    if call.error is not None:
+        raise call.error
+    return call.scores
 
 
 def rouge_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
@@ -180,11 +193,12 @@ def rouge_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:
     the recursion limit in the package's LCS reconstruction (evaluated at the official stack
     depth, see `_RougeCall`). A perfect match scores 0.999999995.
     """
-    _rouge_class()  # import in the calling thread (import errors surface, not scored as 0.0)
-    call = _RougeCall(prediction, ground_truth)
-    call.start()
-    call.join()
-    return call.value
+    try:
+        return rouge_package_scores(prediction, ground_truth)["rouge-l"]["f"]
+    except ImportError:  # a missing package surfaces, it is not scored 0.0
+        raise
+    except Exception:  # quirk: any failure scores 0.0 (the official code uses a bare except)
+        return 0.0
 
 
 def rouge_zh_score(prediction: str, ground_truth: str, **kwargs: Any) -> float:

@@ -120,12 +120,12 @@ def test_ruler_leaderboard_is_kvpress_setting():
 
 
 def test_field_presets_plan_every_benchmark_both_protocols():
-    """conf/experiment/field_*: LongBench-v2, InfiniteBench, ZeroSCROLLS (both protocols) and SCBench (query-agnostic by construction,
+    """conf/experiment/field_*: LongBench-v2, InfiniteBench, LooGLE, ZeroSCROLLS (both protocols) and SCBench (query-agnostic by construction,
     both modes in one job), GPU (two leaderboard models) and CPU (SmolLM2), each benchmark in its own run directories,
     one job per (model, protocol) holding every setting."""
     exps = rp.plan(rp.PARTS, ["field", "field_cpu"], Path("/nonexistent/runs"), models=None, extra=[], longbench_data=None)
     by_name = {e.name: e for e in exps}
-    assert set(by_name) == {f"field_{t}{cpu}" for t in ("longbench_v2", "infinitebench", "scbench", "zeroscrolls") for cpu in ("", "_cpu")}
+    assert set(by_name) == {f"field_{t}{cpu}" for t in ("longbench_v2", "infinitebench", "scbench", "loogle", "zeroscrolls") for cpu in ("", "_cpu")}
     for name, exp in by_name.items():
         task = name.removeprefix("field_").removesuffix("_cpu")
         models = {"smollm2-135m"} if name.endswith("_cpu") else {"llama-3.1-8b-instruct", "qwen3-8b"}
@@ -136,6 +136,8 @@ def test_field_presets_plan_every_benchmark_both_protocols():
         assert all(f"/{task}/" in str(j.run_dir) for j in exp.jobs)
     assert list(by_name["field_scbench"].jobs[0].config["task"]["modes"]) == ["multi_request", "multi_turn"]
     assert len(by_name["field_longbench_v2"].jobs) == 68 and len(by_name["field_infinitebench_cpu"].jobs) == 10
+    assert len(by_name["field_loogle"].jobs) == 68 and len(by_name["field_loogle_cpu"].jobs) == 10
+    assert by_name["field_loogle"].jobs[0].config["task"]["repetition_penalty"] == 2.0
     assert len(by_name["field_zeroscrolls"].jobs) == 68 and len(by_name["field_zeroscrolls_cpu"].jobs) == 10
     # the official scorer is the user's copy: the presets read its folder from ZEROSCROLLS_SCORER_DIR (unset here: null)
     assert {j.config["task"]["scorer_dir"] for j in by_name["field_zeroscrolls"].jobs} == {None}
@@ -154,9 +156,9 @@ def test_dry_run_counts_every_run(tmp_path):
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
 
     proc = run_script("--dry-run", "--only", "all", "--launcher", "submitit_slurm", "--out", str(tmp_path / "runs"))
-    assert total(proc.stdout) == (501, {"longbench": 20, "needle": 1, "speed": 2, "modern": 18, "observation": 2, "lines": 2,
+    assert total(proc.stdout) == (579, {"longbench": 20, "needle": 1, "speed": 2, "modern": 18, "observation": 2, "lines": 2,
                                         "ruler": 34, "ruler_cpu": 26, "ruler_gemma_cpu": 8, "ruler_methods_cpu": 92,
-                                        "field": 238, "field_cpu": 35, "plan": 23})
+                                        "field": 306, "field_cpu": 45, "plan": 23})
     assert "hydra/launcher=submitit_slurm" in proc.stdout
     proc = run_script("--dry-run", "--only", "longbench", "--only", "needle", "--models", "mistral-7b-instruct-v0.2",
                       "--out", str(tmp_path / "runs"))

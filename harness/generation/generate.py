@@ -239,10 +239,11 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
                         if keep_answers and before is not None:
                             opens = first.questions[number].after_answer  # what follows the answer (default: its last token)
                             bridge = before.answer[-1:] if opens is None else list(opens(before.answer))
-                            turns[key] = Turn(before.cache, [*bridge, *asking.ids[end:]], before.next_position)
+                            turns[key] = Turn(before.cache, [*bridge, *asking.ids[end:]], before.next_position,
+                                              history=[[*h, *before.answer[:-1], *bridge, *asking.ids[end:]] for h in before.history])
                         else:  # the cache itself where nothing is asked after this question, else a rollback copy
                             base = bases[tag] if last or keep_answers else rollback_copy(bases[tag])
-                            turns[key] = Turn(base, asking.ids[end:], end)
+                            turns[key] = Turn(base, asking.ids[end:], end, history=[asked[b][number].ids for b in range(rows)])
                         if decode_time.evictor_of(turns[key].cache) is None:  # decode-time compression (its own per setting)
                             state = session.states.get(tag)
                             decode_time.attach(turns[key].cache, method, start=end, model=model,
@@ -296,6 +297,7 @@ class Turn:
     ids: list[int]
     start: int
     answer: list[int] = field(default_factory=list)
+    history: list[list[int]] = field(default_factory=list)  # per batch row, the uncompressed ids asked (repetition_penalty)
 
     @property
     def next_position(self) -> int:
@@ -320,6 +322,7 @@ def _answer(loaded: LoadedModel, turns: dict, logits: torch.Tensor, *, together:
 
     model, device = loaded.model, loaded.device
     options = {"eos_token_ids": loaded.eos_token_ids, **decode}
+    penalized = decode.get("repetition_penalty") not in (None, 1, 1.0)  # each row's history: the ids it was asked
     why = "one setting" if len(turns) < 2 else None if together else "decode_together=false"
     if why is None:
         why = refusal(model, [t.cache for t in turns.values()])
@@ -337,7 +340,8 @@ def _answer(loaded: LoadedModel, turns: dict, logits: torch.Tensor, *, together:
         suffixes = [torch.tensor([t.ids], dtype=torch.long, device=device) if t.ids else None for t in turns.values()]
         try:
             decoded = decode_together(model, [t.cache for t in turns.values()], [None if t.ids else logits for t in turns.values()],
-                                      ends, suffix=suffixes, tokenizer=loaded.tokenizer, **options)
+                                      ends, suffix=suffixes, tokenizer=loaded.tokenizer, **options,
+                                      **({"penalty_history": [h for t in turns.values() for h in t.history]} if penalized else {}))
         except ITEM_ERRORS as exc:
             # The caches may hold part of the batch's work: no answer here can be trusted or redone on them.
             # Out of memory: `generate_settings` retries in smaller groups, each from its own prefill;
@@ -362,7 +366,8 @@ def _answer(loaded: LoadedModel, turns: dict, logits: torch.Tensor, *, together:
                 _sync(model)
                 seconds = time.perf_counter() - start
             length = turn.start + len(turn.ids)
-            tokens, steps, stopped = greedy_decode(model, turn.cache, first, length, tokenizer=loaded.tokenizer, **options)
+            tokens, steps, stopped = greedy_decode(model, turn.cache, first, length, tokenizer=loaded.tokenizer, **options,
+                                                   **({"penalty_history": turn.history} if penalized else {}))
             out[tag] = Generation(tokens=tokens, prompt_length=length, prefill_seconds=seconds, step_seconds=steps,
                                   stopped_by=stopped, decoded_with=decoded_with(1, why))
         except ITEM_ERRORS as exc:

@@ -72,6 +72,10 @@ class GenerationTask:
         self.protocol = protocol_name(self.query_aware)
         self.chunk_size = cfg.model.get("prefill_chunk_size")
         self.decode: dict = {}             # decoding options of every item (generate_settings keywords)
+        penalty = self.task.get("repetition_penalty")  # off unless the task asks (LooGLE: 2.0, as its authors)
+        if penalty not in (None, 1, 1.0):
+            require(isinstance(penalty, (int, float)) and penalty > 0, f"task.repetition_penalty={penalty!r} must be a positive number")
+            self.decode["repetition_penalty"] = float(penalty)
         self.multi_question = False        # items of several questions: one record per (item, question_index)
         self.batch_size = 1                # items prefilled and decoded together (those with one batch_key)
         self.batch_key: Callable | None = None
@@ -179,6 +183,8 @@ def run(task: GenerationTask, settings, *, progress: bool = True) -> dict:
         summary = task.summarize(rows)
         summary.update({f"failed_{task.noun}": len(outcome[s.tag].failures), "protocol": task.protocol,
                         "prefill_chunk_size": task.chunk_size})
+        if "repetition_penalty" in task.decode:  # a decoding option only the tasks that ask for it record
+            summary["repetition_penalty"] = task.decode["repetition_penalty"]
         warn_evicted_questions(rows, s.tag)
         task.finish(s, rows, summary)
         results[s.tag] = {"summary": summary, "rows": rows, "failures": outcome[s.tag].failures}

@@ -1,4 +1,4 @@
-"""The field benchmarks' tables (longbench_v2, infinitebench, scbench): every setting's scores in the authors' layout,
+"""The field benchmarks' tables (longbench_v2, infinitebench, scbench, loogle): every setting's scores in the authors' layout,
 and each compressed setting against the full cache on the same items (paired 95% bootstrap interval of the per-item
 difference, harness/stats.py). A run writes them to its run directory as `<name>_table.md` (`markdown`, from its own
 settings); `python -m harness.report` writes `<name>.md` in the table set (`report`, from every collected run, the runs
@@ -6,7 +6,9 @@ grouped by harness.results.pair_key: same model, task settings and protocol).
 
 A task hands over, per setting tag, its rows (each with its per-item `score`, None when the item does not count) and a
 function giving each row's group(s); the columns are the benchmark's groups in the authors' order. Only items both
-settings scored are paired.
+settings scored are paired. A benchmark with several metrics per item (LooGLE) gives `value(row, column)` instead of
+the `score` field: a number, None, or (matched, out of) where the authors pool counts (a cell is then the matches over
+the counts; an item's value in a pair is its own ratio).
 """
 
 from __future__ import annotations
@@ -27,12 +29,18 @@ def full_tag(settings) -> str | None:
     return None
 
 
+def _ratio(v):
+    """A value as one number: (matched, out of) is its ratio."""
+    return v[0] / v[1] if isinstance(v, (tuple, list)) else v
+
+
 def paired(rows: dict[str, list[dict]], reference: str, key: Callable[[dict], tuple], score: Callable[[dict], float | None],
            groups: Callable[[dict], Iterable[str]], columns: list[str], *, n_resamples: int = DEFAULT_RESAMPLES,
-           seed: int = DEFAULT_SEED) -> dict[str, dict[str, dict]]:
+           seed: int = DEFAULT_SEED, value: Callable[[dict, str], object] | None = None) -> dict[str, dict[str, dict]]:
     """{tag: {group: {"delta", "low", "high", "n"}}} (x 100) of every tag but `reference`: per-item score minus the
-    reference's on the items both scored (score not None), per group."""
+    reference's on the items both scored (score not None), per group (`value(row, group)` instead of `score` if given)."""
     ref = {key(r): r for r in rows[reference]}
+    get = (lambda r, g: _ratio(value(r, g))) if value is not None else (lambda r, g: score(r))
     out: dict[str, dict[str, dict]] = {}
     for tag, recs in rows.items():
         if tag == reference:
@@ -40,11 +48,11 @@ def paired(rows: dict[str, list[dict]], reference: str, key: Callable[[dict], tu
         diffs: dict[str, list[float]] = {c: [] for c in columns}
         for r in recs:
             other = ref.get(key(r))
-            if other is None or score(r) is None or score(other) is None:
+            if other is None:
                 continue
             for g in groups(r):
-                if g in diffs:
-                    diffs[g].append(100.0 * (score(r) - score(other)))
+                if g in diffs and get(r, g) is not None and get(other, g) is not None:
+                    diffs[g].append(100.0 * (get(r, g) - get(other, g)))
         out[tag] = {}
         for g, d in diffs.items():
             if d:
@@ -77,14 +85,19 @@ def markdown(title: str, columns: list[str], scores: dict[str, dict[str, float |
 
 
 def grouped(rows: list[dict], groups: Callable[[dict], Iterable[str]], columns: list[str], digits: int,
-            strict: bool) -> dict[str, float | None]:
-    """100 x the mean `score` per column. Items scored None are left out; with `strict` a column holding one is None
-    instead (the official scorer raised there)."""
+            strict: bool, value: Callable[[dict, str], object] | None = None) -> dict[str, float | None]:
+    """100 x the mean `score` (or `value(row, column)`; pooled (matched, out of) counts) per column. Items scored None
+    are left out; with `strict` a column holding one is None instead (the official scorer raised there)."""
     out: dict[str, float | None] = {}
     for c in columns:
-        values = [r.get("score") for r in rows if c in groups(r)]
+        values = [(r.get("score") if value is None else value(r, c)) for r in rows if c in groups(r)]
         kept = [v for v in values if v is not None]
-        out[c] = None if not kept or (strict and len(kept) < len(values)) else round(100 * sum(kept) / len(kept), digits)
+        if not kept or (strict and len(kept) < len(values)):
+            out[c] = None
+        elif isinstance(kept[0], (tuple, list)):
+            out[c] = round(100 * sum(v[0] for v in kept) / sum(v[1] for v in kept), digits)
+        else:
+            out[c] = round(100 * sum(kept) / len(kept), digits)
     return out
 
 
@@ -104,11 +117,12 @@ def report(runs, out: Path, options, *, name: str, title: str, views, key, digit
         full = next((r for r in members if method_name(r) == FULL), None)
         reference = tag[full.rel] if full else None
         model = members[0].model.get("name", "?")
-        for subtitle, select, columns, groups in views:
+        for subtitle, select, columns, groups, *value in views:  # a view may end with its value(row, column)
+            value = value[0] if value else None
             rows = {tag[r.rel]: [x for x in r.data.get("rows") or [] if isinstance(x, dict) and select(x)] for r in members}
             deltas = (paired(rows, reference, key, lambda r: r.get("score"), groups, columns, n_resamples=options.resamples,
-                             seed=options.seed) if reference else {})
-            scores = {t: grouped(rs, groups, columns, digits, strict) for t, rs in rows.items()}
+                             seed=options.seed, value=value) if reference else {})
+            scores = {t: grouped(rs, groups, columns, digits, strict, value) for t, rs in rows.items()}
             parts.append(markdown(f"{title} · {model} · {members[0].protocol}{subtitle}", columns, scores, deltas, reference,
                                   [f"Runs: {', '.join(r.rel for r in members)}."], digits))
         for r in members:
@@ -170,7 +184,8 @@ def html_section(runs, page, *, sid: str, title: str, views, key: Callable[[dict
         full = next((r for r in members if method_name(r) == FULL), None)
         model, protocol = model_of(members[0]), members[0].protocol
         by_budget = all(budget_of(r) is not None for r in members if r is not full)
-        for subtitle, select, columns, groups in views:
+        for subtitle, select, columns, groups, *value in views:  # a view may end with its value(row, column)
+            value = value[0] if value else None
             rows = {r.rel: [x for x in r.data["rows"] if isinstance(x, dict) and select(x)] for r in members}
             if not any(rows.values()):
                 continue
@@ -188,7 +203,7 @@ def html_section(runs, page, *, sid: str, title: str, views, key: Callable[[dict
                 points.append({"line": method_line(run), "protocol": run.protocol, "x": x, "y": overall, "lo": rounded(lo, 2),
                                "hi": rounded(hi, 2), "run": run_id, "full": is_full})
                 d = (deltas.get(run.rel) or {}).get("all")
-                table.append({"run": run_id, "cells": [setting_label(run), *[grouped(recs, groups, columns, digits, strict).get(c) for c in columns],
+                table.append({"run": run_id, "cells": [setting_label(run), *[grouped(recs, groups, columns, digits, strict, value).get(c) for c in columns],
                                                        overall, *([d["delta"], d["low"], d["high"], d["n"]] if d else [None] * 4)]})
                 page.board.append({"dataset": run.task, "data_dir": subtitle.strip(" ·") or None, "model": model, "run": run,
                                    "compression_ratio": removed_fraction(run), "score": overall, "ci_low": lo, "ci_high": hi, "n": len(values)})

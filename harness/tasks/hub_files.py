@@ -78,3 +78,30 @@ def data_files(task: DictConfig, folder: str, prefix: str, suffix: str, what: st
     if not names:
         raise HarnessError(f"the hub dataset {repo} has no {folder}/{prefix}*{suffix}; check the length (its configs)")
     return [hub_file(repo, n) for n in names], f"hub:{repo}/{folder}"
+
+
+def jsonl_rows(task: DictConfig, filename: str, what: str, check, *args) -> tuple[list[dict], str]:
+    """The rows of a benchmark's `filename` (JSON lines, from task.data_dir or the hub), each passed through
+    `check(row, where, *args)` (a module-level function: it refuses a bad row in one line and may return it completed),
+    the first `task.limit`: (rows, origin). Read once per file version."""
+    path, origin = data_file(task, filename, what)
+    st = path.stat()
+    return list(_jsonl(str(path), check, args, (st.st_mtime_ns, st.st_size)))[: task.get("limit") or None], origin
+
+
+@lru_cache(maxsize=32)
+def _jsonl(path: str, check, args: tuple, _version: tuple) -> tuple[dict, ...]:
+    import json
+
+    from harness.errors import require
+
+    rows = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(check(json.loads(line), f"{path}:{number}", *args))
+        except json.JSONDecodeError as exc:
+            raise HarnessError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    require(rows, f"{path} has no rows")
+    return tuple(rows)

@@ -30,7 +30,7 @@ from harness.generation.prompt import Prompt
 from harness.models import LoadedModel
 from harness.tasks import contract, field_tables
 from harness.tasks.contract import Built, GenerationTask
-from harness.tasks.hub_files import data_file
+from harness.tasks.hub_files import jsonl_rows
 from harness.tasks.longbench.data import suffix_start
 from metrics.infinitebench import DISPLAY, README_ORDER, SCORERS, TASKS, OfficialScorerError, get_answer, score_one
 
@@ -77,7 +77,7 @@ def truncate(prompt: str, tokenizer, max_len: int) -> tuple[str, int, bool]:
     return tokenizer.decode(ids[:half] + ids[-half:], skip_special_tokens=True), len(ids), True
 
 
-def check_row(row, task: str, where: str) -> dict:
+def check_row(row, where: str, task: str) -> dict:
     require(isinstance(row, dict), f"{where}: expected a JSON object")
     need = ("context", "answer") + (("input",) if task not in ("longbook_sum_eng", "math_calc", "longdialogue_qa_eng") else ()) \
         + (("options",) if task in CHOICE_TASKS else ())
@@ -90,24 +90,8 @@ def check_row(row, task: str, where: str) -> dict:
     return row
 
 
-@lru_cache(maxsize=32)
-def _read(path: str, task: str, _version: tuple) -> tuple[dict, ...]:
-    rows = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(check_row(json.loads(line), task, f"{path}:{number}"))
-        except json.JSONDecodeError as exc:
-            raise HarnessError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-    require(rows, f"{path} has no rows")
-    return tuple(rows)
-
-
 def load_rows(task_cfg: DictConfig, task: str) -> tuple[list[dict], str]:
-    path, origin = data_file(task_cfg, f"{task}.jsonl", "InfiniteBench")
-    st = path.stat()
-    return list(_read(str(path), task, (st.st_mtime_ns, st.st_size)))[: task_cfg.get("limit") or None], origin
+    return jsonl_rows(task_cfg, f"{task}.jsonl", "InfiniteBench", check_row, task)
 
 
 def task_names(task_cfg: DictConfig) -> list[str]:
