@@ -112,21 +112,30 @@ def turn_fields(turn: dict, task: str) -> dict:
     return out
 
 
-def multiturn_texts(tokenizer, row: dict, task: str, golden: bool = True) -> tuple[str, str, list[str]]:
+def multiturn_texts(tokenizer, row: dict, task: str, golden: bool = True, mf_prefix: str = "last") -> tuple[str, str, list[str]]:
     """create_multiturn_prompt with the chat template: (first turn's text, its text after the context, the follow-up texts
     of turns 2..n). Golden context: `[system "", assistant: gold answer i-1, user: query i]` rendered with the generation
     prompt, less the empty system message's rendering with it. Own answers (--disable_golden_context): `[user: query i]`
     rendered with the generation prompt, less the empty system message's rendering WITHOUT it (the authors' .replace: a
-    template that adds its own default system message to a conversation without one, as SmolLM2's, keeps it)."""
+    template that adds its own default system message to a conversation without one, as SmolLM2's, keeps it).
+    scbench_mf (`mf_prefix`): the authors' chat-template follow-ups format `{prefix}` with the variable their loop over
+    the turns left behind, the LAST turn's "What is <target>?", before every turn's own input (`last`, official);
+    `own` gives each turn its own prefix (as their text-only path does)."""
     turns, first_t = row["multi_turns"], templates()["multiturn_templates"][task]
     values = turn_fields(turns[0], task)
+    last = turn_fields(turns[-1], task) if task == "scbench_mf" and mf_prefix == "last" else {}
+
+    def fields(i: int) -> dict:
+        own = turn_fields(turns[i], task)
+        return {**own, "prefix": last["prefix"]} if last else own
+
     first = tokenizer.apply_chat_template([{"role": "user", "content": first_t.format(context=row["context"], **values)}],
                                           add_generation_prompt=True, tokenize=False)
     tail = first_t.split("{context}", 1)[1].format(**values)
     system = tokenizer.apply_chat_template([{"role": "system", "content": ""}], add_generation_prompt=golden, tokenize=False)
     before = (lambda i: [{"role": "system", "content": ""}, {"role": "assistant", "content": str(turns[i - 1]["answer"])}]) if golden else (lambda i: [])
     follow = [tokenizer.apply_chat_template(
-        [*before(i), {"role": "user", "content": templates()["query_templates"][task].format(**turn_fields(turns[i], task))}],
+        [*before(i), {"role": "user", "content": templates()["query_templates"][task].format(**fields(i))}],
         add_generation_prompt=True, tokenize=False).replace(system, "") for i in range(1, len(turns))]
     if task == "scbench_summary":  # create_multiturn_prompt primes every follow-up summary with "This paper"
         follow = [text + "This paper" for text in follow]
@@ -224,6 +233,8 @@ def validate(task_cfg: DictConfig) -> None:
             "task.use_chat_template=false: only the multi_request mode is provided without the chat template")
     require(task_cfg.get("scorer", "official") in SCORERS, f"task.scorer={task_cfg.get('scorer')!r} is not one of {', '.join(SCORERS)}")
     require(isinstance(task_cfg.get("keep_answers", False), bool), f"task.keep_answers={task_cfg.get('keep_answers')!r}: give true or false")
+    require(task_cfg.get("mf_prefix", "last") in ("last", "own"),
+            f"task.mf_prefix={task_cfg.get('mf_prefix')!r}: give last (the authors' chat-template follow-ups) or own")
     turns, limit = task_cfg.get("max_turns"), task_cfg.get("limit")
     require(turns is None or (isinstance(turns, int) and turns > 0), f"task.max_turns={turns!r} must be a positive count or null")
     require(limit is None or (isinstance(limit, int) and limit > 0), f"task.limit={limit!r} must be a positive item count or null")
@@ -251,6 +262,7 @@ class SCBench(GenerationTask):
         self.needles = {n: needles(rows) for n, rows in self.rows.items() if n in REPOQA}
         self.keep_answers = bool(self.task.get("keep_answers", False))
         self.history = "own_answers" if self.keep_answers else "golden"
+        self.mf_prefix = str(self.task.get("mf_prefix", "last"))
         require(not (self.keep_answers and "multi_turn" in self.modes and loaded.tokenizer.eos_token_id is None),
                 f"task.keep_answers=true: {loaded.name}'s tokenizer has no EOS token, which the authors put after an answer cut by its budget")
 
@@ -278,7 +290,7 @@ class SCBench(GenerationTask):
             ids = kept = truncate_ids(raw, self.budget(name, turns, mode))
             asked = [tok.encode(q, add_special_tokens=False) for q in queries]
         else:
-            first, tail, follow = multiturn_texts(tok, row, name, golden=not self.keep_answers)
+            first, tail, follow = multiturn_texts(tok, row, name, golden=not self.keep_answers, mf_prefix=self.mf_prefix)
             raw = tok.encode(first)
             kept = truncate_ids(raw, self.budget(name, turns, mode))
             start = suffix_start(kept, tok, tail)
@@ -326,7 +338,8 @@ class SCBench(GenerationTask):
         out: dict = {"score_name": "scbench", "main_score": None, "modes": self.modes, "scorer_errors": {},
                      "use_chat_template": self.chat, "scorer": self.scorer, "data": self.origin, "max_seq_length": self.max_seq_length,
                      "turns": len(rows), "sampling": "greedy (GreedySearch)", "turn1_query": "prefilled after compression",
-               "multi_turn_history": self.history if "multi_turn" in self.modes else None}
+               "multi_turn_history": self.history if "multi_turn" in self.modes else None,
+               "mf_prefix": self.mf_prefix if "scbench_mf" in self.names and "multi_turn" in self.modes else None}
         for mode in self.modes:
             out[mode] = mode_scores([r for r in rows if r["mode"] == mode], out["scorer_errors"], mode)
         return out
