@@ -65,5 +65,23 @@ if ! vocab_ok; then
   for f in "${vocab_files[@]}"; do mv "$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp/models/$f" "$vocab_dir/$f"; done
   rm -rf "$tmp"
 fi
+# WordNet for LooGLE's METEOR (nltk's meteor_score; tests/metrics/test_loogle_golden.py): Debian's wordnet-base 3.0,
+# unpacked where nltk looks inside this venv (<venv>/nltk_data); nltk's reader also wants `lexnames`, which that package
+# ships only as the table of its lexnames(5WN) page: written from it. Without apt the METEOR test skips and says why.
+wordnet="$venv/nltk_data/corpora/wordnet"
+if [ ! -s "$wordnet/lexnames" ] && command -v apt-get >/dev/null 2>&1; then
+  tmp="$(mktemp -d)"
+  if (cd "$tmp" && apt-get download -qq wordnet-base >/dev/null 2>&1); then
+    dpkg-deb -x "$tmp"/wordnet-base_*.deb "$tmp/x"
+    mkdir -p "$wordnet"
+    cp "$tmp"/x/usr/share/wordnet/* "$wordnet/"
+    zcat "$tmp"/x/usr/share/man/man5/lexnames.5WN.gz | awk -F'\t' '/^[0-9][0-9]\t/ {
+      name = $2; gsub(/ /, "", name); split(name, part, ".")
+      printf "%s\t%s\t%d\n", $1, name, (part[1] == "noun") ? 1 : (part[1] == "verb") ? 2 : (part[1] == "adj") ? 3 : 4 }' > "$wordnet/lexnames"
+  else
+    echo "setup: wordnet-base not downloadable: LooGLE's METEOR golden test will skip"
+  fi
+  rm -rf "$tmp"
+fi
 echo "$want" > "$stamp"
 echo "setup: done ($("$venv/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

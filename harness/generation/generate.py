@@ -184,8 +184,8 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
     setting's compressed cache (`rollback_copy`), and every (setting, question) decodes in one batch, so each
     answer equals that question asked alone on the same compressed cache (the last question gets the cache
     itself: nothing follows it). `keep_answers` (multi-turn, one prompt): no copies; question i + 1 follows question i and its answer
-    in the cache (the answer's last token, which decoding never feeds back, opens the next turn), at true
-    positions. Query-aware: each question is compressed with the context, one prefill per question,
+    in the cache (the answer's last token, which decoding never feeds back, opens the next turn, or what the question's
+    `after_answer` says instead), at true positions, each with its own `max_new_tokens` where the question gives one. Query-aware: each question is compressed with the context, one prefill per question,
     shared by every setting.
     """
     from harness.decoding import Generation
@@ -237,8 +237,10 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
                             continue
                         before = talks.get(tag)
                         if keep_answers and before is not None:
-                            turns[key] = Turn(before.cache, [*before.answer[-1:], *asking.ids[end:]], before.next_position,
-                                              history=[[*h, *before.answer, *asking.ids[end:]] for h in before.history])
+                            opens = first.questions[number].after_answer  # what follows the answer (default: its last token)
+                            bridge = before.answer[-1:] if opens is None else list(opens(before.answer))
+                            turns[key] = Turn(before.cache, [*bridge, *asking.ids[end:]], before.next_position,
+                                              history=[[*h, *before.answer[:-1], *bridge, *asking.ids[end:]] for h in before.history])
                         else:  # the cache itself where nothing is asked after this question, else a rollback copy
                             base = bases[tag] if last or keep_answers else rollback_copy(bases[tag])
                             turns[key] = Turn(base, asking.ids[end:], end, history=[asked[b][number].ids for b in range(rows)])
@@ -248,8 +250,10 @@ def _generate_group(loaded: LoadedModel, methods: list[tuple[str, object]], prom
                                                kept=None if state is None else {i: r.positions for i, r in state.layers.items()})
                 if numbers_here[-1] in numbers:
                     bases.clear()  # the last answers own their caches: each is freed with its turn
-                with decode_time.evicting(model, [t.cache for t in turns.values()]):
-                    generations = _answer(loaded, turns, logits, together=decode_together, **decode)
+                own = first.questions[numbers[0]].max_new_tokens if keep_answers and first.questions else None
+                with decode_time.evicting(model, [t.cache for t in turns.values()]):  # a turn's own budget (multi-turn)
+                    generations = _answer(loaded, turns, logits, together=decode_together,
+                                          **{**decode, **({"max_new_tokens": own} if own is not None else {})})
                 for key, per_row in diagnostics.items():
                     gen = generations[key]
                     for b, diag in enumerate(per_row):

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from harness.decoding import Generation
@@ -66,6 +66,11 @@ class Question:
 
     ids: list[int]
     spans: dict = field(default_factory=dict)
+    # Multi-turn (keep_answers) only. `after_answer`: the tokens fed between the previous answer and `ids`, a function of
+    # that answer's tokens (the cache already holds all but its last: decoding never feeds it back); None: its last token,
+    # so the conversation holds the whole answer. `max_new_tokens`: this turn's own budget (None: the prompt's).
+    after_answer: Callable[[list[int]], list[int]] | None = None
+    max_new_tokens: int | None = None
 
 
 @dataclass

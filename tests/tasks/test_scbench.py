@@ -188,3 +188,23 @@ def test_hub_loading_reads_the_parquet_config(tmp_path, monkeypatch):
     local, origin = sc.load_rows(compose("task=scbench", f"task.data_dir={hub}").task, "scbench_repoqa_and_kv")
     assert origin == "task.data_dir" and local == got
     hub_files.hub_file.cache_clear()
+
+
+@pytest.mark.parametrize("golden", [True, False])
+def test_mf_follow_ups_ask_the_last_turns_target_as_the_authors(tiny_random, golden):
+    """create_multiturn_prompt's scbench_mf chat-template follow-ups format {prefix} with the variable its loop over the
+    turns left: the LAST turn's "What is <target>?" before every turn's own input (task.mf_prefix=last, official);
+    `own` gives each turn its own. A 3-turn item: expected texts written from the authors' template '{prefix}\\n\\n{input}'."""
+    tok, data = tiny_random.tokenizer, row("scbench_mf")
+    inputs = ["Answer with one number. The largest number of the list is: ",
+              "Answer with one number. The smallest number of the list is: ",
+              "Answer with one number. The median number of the list is: "]
+    three = {**data, "multi_turns": [{"input": text, "answer": str(k)} for k, text in enumerate(inputs)]}
+    official = sc.multiturn_texts(tok, three, "scbench_mf", golden=golden)[2]
+    own = sc.multiturn_texts(tok, three, "scbench_mf", golden=golden, mf_prefix="own")[2]
+    assert len(official) == len(own) == 2
+    for i, (a, b) in enumerate(zip(official, own), start=1):
+        assert f"What is the median number of the list?\n\n{inputs[i]}" in a  # turn 2 and turn 3 both ask the LAST target
+        target = ("smallest", "median")[i - 1]
+        assert f"What is the {target} number of the list?\n\n{inputs[i]}" in b
+    assert "What is the smallest" not in official[0] and official[1] == own[1]  # the last follow-up agrees either way

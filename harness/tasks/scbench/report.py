@@ -59,8 +59,8 @@ def html_section(runs, page):
         delta_note=lambda sub: " · Δ vs full = each method's reuse cost: every request over one compressed context" if "request" in sub else "",
         intro="Score (%) per turn as compute_scores.py, both modes from one run: multi-request (every request over one "
               "compressed context; its Δ vs full is each method's reuse cost: SCBench is query-agnostic only, so there is no "
-              "query-aware run to pair for the harness's reuse gap) and multi-turn with the golden context (per task and per "
-              "turn). A mixed task is scored per subtask (task/subtask). '–': the official scorer raised. Band and CI: 95% "
+              "query-aware run to pair for the harness's reuse gap) and multi-turn (golden context, or with task.keep_answers=true the model's own "
+              "answers kept: the records' history; per task and per turn). A mixed task is scored per subtask (task/subtask). '–': the official scorer raised. Band and CI: 95% "
               "bootstrap interval over the turns; Δ: paired difference to full on the same turns.")
 
 

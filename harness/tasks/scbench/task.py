@@ -12,6 +12,12 @@ of its own over one compressed context:
   `[system "", assistant: <turn i-1's GOLD answer>, user: <query i>]` rendered with the generation prompt, its empty-system
   prefix cut off. The authors' decoding keeps every prompt in the cache and drops every generated token (a temporary
   cache), so turn i is answered after the compressed context + turn 1's query + the gold follow-ups 2..i.
+- multi_turn with `task.keep_answers=true` (the authors' --disable_golden_context): the conversation goes on in one
+  cache, the model's own answers kept. Turn i > 1 is `[user: <query i>]` rendered with the generation prompt, less the
+  rendering of an empty system message without one (so a template's default system message stays, as the authors'
+  .replace leaves it). Their decoding never feeds the last generated token: the cache holds each answer but its last
+  token, then nothing if the answer stopped at an end token, else the tokenizer's EOS (`after_own_answer`), then turn i.
+  Each turn decodes with its own budget (a mixed task's turn: its subtask's). Records say `history`: golden | own_answers.
 
 Both are the harness's query-agnostic many-questions protocol (`task.query_aware` must be false): the context is
 prefilled and compressed once per item and mode, every question prefilled on top of it, uncompressed, and answered
@@ -36,7 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib import resources
 from pathlib import Path
 
@@ -106,22 +112,42 @@ def turn_fields(turn: dict, task: str) -> dict:
     return out
 
 
-def multiturn_texts(tokenizer, row: dict, task: str) -> tuple[str, str, list[str]]:
-    """create_multiturn_prompt with the chat template and the golden context: (first turn's text, its text after the
-    context, the follow-up texts of turns 2..n)."""
+def multiturn_texts(tokenizer, row: dict, task: str, golden: bool = True, mf_prefix: str = "last") -> tuple[str, str, list[str]]:
+    """create_multiturn_prompt with the chat template: (first turn's text, its text after the context, the follow-up texts
+    of turns 2..n). Golden context: `[system "", assistant: gold answer i-1, user: query i]` rendered with the generation
+    prompt, less the empty system message's rendering with it. Own answers (--disable_golden_context): `[user: query i]`
+    rendered with the generation prompt, less the empty system message's rendering WITHOUT it (the authors' .replace: a
+    template that adds its own default system message to a conversation without one, as SmolLM2's, keeps it).
+    scbench_mf (`mf_prefix`): the authors' chat-template follow-ups format `{prefix}` with the variable their loop over
+    the turns left behind, the LAST turn's "What is <target>?", before every turn's own input (`last`, official);
+    `own` gives each turn its own prefix (as their text-only path does)."""
     turns, first_t = row["multi_turns"], templates()["multiturn_templates"][task]
     values = turn_fields(turns[0], task)
+    last = turn_fields(turns[-1], task) if task == "scbench_mf" and mf_prefix == "last" else {}
+
+    def fields(i: int) -> dict:
+        own = turn_fields(turns[i], task)
+        return {**own, "prefix": last["prefix"]} if last else own
+
     first = tokenizer.apply_chat_template([{"role": "user", "content": first_t.format(context=row["context"], **values)}],
                                           add_generation_prompt=True, tokenize=False)
     tail = first_t.split("{context}", 1)[1].format(**values)
-    system = tokenizer.apply_chat_template([{"role": "system", "content": ""}], add_generation_prompt=True, tokenize=False)
+    system = tokenizer.apply_chat_template([{"role": "system", "content": ""}], add_generation_prompt=golden, tokenize=False)
+    before = (lambda i: [{"role": "system", "content": ""}, {"role": "assistant", "content": str(turns[i - 1]["answer"])}]) if golden else (lambda i: [])
     follow = [tokenizer.apply_chat_template(
-        [{"role": "system", "content": ""}, {"role": "assistant", "content": str(turns[i - 1]["answer"])},
-         {"role": "user", "content": templates()["query_templates"][task].format(**turn_fields(turns[i], task))}],
+        [*before(i), {"role": "user", "content": templates()["query_templates"][task].format(**fields(i))}],
         add_generation_prompt=True, tokenize=False).replace(system, "") for i in range(1, len(turns))]
     if task == "scbench_summary":  # create_multiturn_prompt primes every follow-up summary with "This paper"
         follow = [text + "This paper" for text in follow]
     return first, tail, follow
+
+
+def after_own_answer(enders: tuple, eos: int, answer: list[int]) -> list[int]:
+    """What the authors feed between a turn's own answer and the next turn (GreedySearch._decode and _process_texts with
+    disable_golden_context): their decoding never feeds the last token it generates, so the conversation holds the answer
+    without it; an answer that stopped at an end token is followed by nothing (no end-of-turn marker), one cut by its
+    budget by the tokenizer's EOS."""
+    return [] if answer and answer[-1] in enders else [eos]
 
 
 def chat_parts(tokenizer, context: str, queries: list[str], use_chat_template: bool) -> tuple[str, list[str]]:
@@ -206,6 +232,9 @@ def validate(task_cfg: DictConfig) -> None:
     require(task_cfg.get("use_chat_template", True) or modes == ["multi_request"],
             "task.use_chat_template=false: only the multi_request mode is provided without the chat template")
     require(task_cfg.get("scorer", "official") in SCORERS, f"task.scorer={task_cfg.get('scorer')!r} is not one of {', '.join(SCORERS)}")
+    require(isinstance(task_cfg.get("keep_answers", False), bool), f"task.keep_answers={task_cfg.get('keep_answers')!r}: give true or false")
+    require(task_cfg.get("mf_prefix", "last") in ("last", "own"),
+            f"task.mf_prefix={task_cfg.get('mf_prefix')!r}: give last (the authors' chat-template follow-ups) or own")
     turns, limit = task_cfg.get("max_turns"), task_cfg.get("limit")
     require(turns is None or (isinstance(turns, int) and turns > 0), f"task.max_turns={turns!r} must be a positive count or null")
     require(limit is None or (isinstance(limit, int) and limit > 0), f"task.limit={limit!r} must be a positive item count or null")
@@ -231,6 +260,11 @@ class SCBench(GenerationTask):
         self.scorer = str(self.task.get("scorer", "official"))
         self.decode = dict(eos_token_ids=loaded.eos_token_ids)
         self.needles = {n: needles(rows) for n, rows in self.rows.items() if n in REPOQA}
+        self.keep_answers = bool(self.task.get("keep_answers", False))
+        self.history = "own_answers" if self.keep_answers else "golden"
+        self.mf_prefix = str(self.task.get("mf_prefix", "last"))
+        require(not (self.keep_answers and "multi_turn" in self.modes and loaded.tokenizer.eos_token_id is None),
+                f"task.keep_answers=true: {loaded.name}'s tokenizer has no EOS token, which the authors put after an answer cut by its budget")
 
     def items(self) -> list[tuple]:
         return [(n, i, m) for m in self.modes for n in self.names for i in range(len(self.rows[n]))]
@@ -256,16 +290,21 @@ class SCBench(GenerationTask):
             ids = kept = truncate_ids(raw, self.budget(name, turns, mode))
             asked = [tok.encode(q, add_special_tokens=False) for q in queries]
         else:
-            first, tail, follow = multiturn_texts(tok, row, name)
+            first, tail, follow = multiturn_texts(tok, row, name, golden=not self.keep_answers, mf_prefix=self.mf_prefix)
             raw = tok.encode(first)
             kept = truncate_ids(raw, self.budget(name, turns, mode))
             start = suffix_start(kept, tok, tail)
             ids, asked = kept[:start], [kept[start:]]
-            for text in follow:  # turn i: turn 1's query, then the gold follow-ups 2..i
-                asked.append(asked[-1] + tok.encode(text, add_special_tokens=False))
-        questions = [Question(q, {"question": (len(ids), len(ids) + len(q))}) for q in asked]
+            for text in follow:  # golden: turn i asks turn 1's query and the gold follow-ups 2..i; own answers: its own turn
+                asked.append([*(asked[-1] if not self.keep_answers else []), *tok.encode(text, add_special_tokens=False)])
         new = templates()["max_new_tokens"][name]
-        return Built(Prompt(ids, questions=questions), decode={"max_new_tokens": max(new.values()) if isinstance(new, dict) else new},
+        own = mode == "multi_turn" and self.keep_answers
+        opens = partial(after_own_answer, tuple(self.loaded.eos_token_ids), tok.eos_token_id) if own else None
+        budgets = [new[t["task"]] if own and isinstance(new, dict) else None for t in row["multi_turns"]]  # a mixed turn's own
+        questions = [Question(q, {"question": (len(ids), len(ids) + len(q))}, after_answer=opens if k else None, max_new_tokens=b)
+                     for k, (q, b) in enumerate(zip(asked, budgets))]
+        return Built(Prompt(ids, questions=questions), decode={"max_new_tokens": max(new.values()) if isinstance(new, dict) else new,
+                                                               **({"keep_answers": True} if own else {})},
                      data={"raw_prompt_tokens": len(raw), "truncated": len(kept) < len(raw)})
 
     def record(self, item, built: Built, i: int, text: str, answer) -> dict:
@@ -285,6 +324,8 @@ class SCBench(GenerationTask):
         except (TypeError, ValueError) as exc:  # the official scorer raises here (e.g. a list label for a substring test)
             score, error = None, f"{type(exc).__name__}: {exc}"
         extra = {"subtask": subtask} if subtask else {}
+        if mode == "multi_turn":  # what the earlier turns left in the conversation: gold answers or the model's own
+            extra["history"] = self.history
         if name in REPOQA:
             extra.update(lang=row["lang"], repo=row["repo"], func_name=turn.get("name"))
         return {"task": name, "index": index, "id": row.get("id", index), "turn_idx": i, **extra,
@@ -296,7 +337,9 @@ class SCBench(GenerationTask):
         """Per mode: each task's score over all turns and per turn (100 x the mean); None where the official scorer raised."""
         out: dict = {"score_name": "scbench", "main_score": None, "modes": self.modes, "scorer_errors": {},
                      "use_chat_template": self.chat, "scorer": self.scorer, "data": self.origin, "max_seq_length": self.max_seq_length,
-                     "turns": len(rows), "sampling": "greedy (GreedySearch)", "turn1_query": "prefilled after compression"}
+                     "turns": len(rows), "sampling": "greedy (GreedySearch)", "turn1_query": "prefilled after compression",
+               "multi_turn_history": self.history if "multi_turn" in self.modes else None,
+               "mf_prefix": self.mf_prefix if "scbench_mf" in self.names and "multi_turn" in self.modes else None}
         for mode in self.modes:
             out[mode] = mode_scores([r for r in rows if r["mode"] == mode], out["scorer_errors"], mode)
         return out
@@ -357,7 +400,9 @@ def run(cfg: DictConfig, loaded: LoadedModel, settings, progress: bool = True) -
                 for s in settings:
                     results[s.tag]["summary"].setdefault("paired_vs_full", {})[mode] = deltas.get(s.tag, {})
     if settings:
-        note = (f"{loaded.name}, chat template={task.chat}, greedy, query-agnostic (turn 1's query prefilled after compression). "
+        history = "the model's own answers kept" if task.keep_answers else "golden context"
+        note = (f"{loaded.name}, chat template={task.chat}, greedy, query-agnostic (turn 1's query prefilled after compression), "
+                f"multi-turn: {history}. "
                 "Score (%) over the turns; '–': none, or the official scorer raised (the summary's scorer_errors).")
         text = "\n".join(sections) + "\n" + note + "\n"
         log.info("SCBench table: %s", field_tables.write(Path(settings[0].run_dir.path).parent, "scbench", text))
