@@ -249,6 +249,8 @@ def test_efficiency_ratios_max_length_and_claims(tmp_path):
         "full": {"8192": _m(*full8), "16384": _m(*full16)},
         "snapkv-c2048": {"8192": _m(30.0, 1024 * MB, 2500 * MB, full8), "16384": _m(30.0, 1024 * MB, 3000 * MB, full16)},
     }
+    # the bench's bound fields (bench/task.add_bounds) as a run records them: 2 TB/s, 14 GB of bf16 weights
+    by_method["full"]["16384"].update(dtype="bfloat16", decode_bound_ms=11.2, decode_vs_bound=9.6429, cache_cost_vs_bound=2.25)
     write(runs, "speed/lwm/decode_b2", bench_results("lwm-text-chat-1m", 2, by_method, methods))
     search = {"memory_cap_gb": 80.0, "upper": 1048576, "methods": {
         "full": {"max_length": 16384, "first_failure": 17408, "reached_upper": False, "vs_full": 1.0},
@@ -264,10 +266,13 @@ def test_efficiency_ratios_max_length_and_claims(tmp_path):
     assert snap16["device"] == "NVIDIA H100 80GB HBM3" and snap16["batch"] == "2" and snap16["setting"] == "SnapKV 2048"
     full16_row = next(r for r in rows if r["method"] == "full" and r["length"] == "16384")
     assert float(full16_row["decode_speedup_vs_full"]) == 1.0
+    assert (full16_row["dtype"], full16_row["decode_bound_ms"], full16_row["decode_vs_bound"], full16_row["cache_cost_vs_bound"]) == \
+        ("bfloat16", "11.2", "9.6429", "2.25")
     maxlen = read_csv(out / "max_length.csv")
     assert {r["method"]: r["max_length"] for r in maxlen} == {"full": "16384", "snapkv-c2048": "134144"}
     md = (out / "efficiency.md").read_text()
     assert "3.60x" in md and "8.19x" in md and "8.00x" in md
+    assert "| bfloat16 |" in md and "9.64x" in md and "2.25x" in md and "× bound" in md
     claims = {r["id"]: r for r in read_csv(out / "claims.csv")}
     assert claims["decode_speedup_16k"]["ours"].startswith("3.60x (full 0.108 s/tok, SnapKV 0.030 s/tok)")
     assert claims["decode_speedup_16k"]["paper_ratio"] == "3.6"

@@ -42,7 +42,9 @@ def efficiency_rows(runs: list[Run]) -> tuple[list[dict], list[dict]]:
                              "peak_mb": round(e["peak_increase_bytes"] / MB, 3) if e.get("peak_increase_bytes") is not None else None,
                              "peak_vs_full": e.get("peak_vs_full"), "decode_cpu_ms_per_token": e.get("decode_cpu_median_ms"),
                              "decode_cpu_speedup_vs_full": round(1 / e["decode_cpu_vs_full"], 3) if e.get("decode_cpu_vs_full") else None,
-                             "_method": m})
+                             "dtype": e.get("dtype") or (run.model.get("dtype") if isinstance(run.model, dict) else None),
+                             "decode_bound_ms": e.get("decode_bound_ms"), "decode_vs_bound": e.get("decode_vs_bound"),
+                             "cache_cost_vs_bound": e.get("cache_cost_vs_bound"), "_method": m})
         search = run.data.get("search")
         if isinstance(search, dict):
             for label, r in (search.get("methods") or {}).items():
@@ -61,7 +63,8 @@ def efficiency_rows(runs: list[Run]) -> tuple[list[dict], list[dict]]:
 
 EFF_FIELDS = ["model", "random_weights", "device", "batch", "isolation", "decode_tokens", "method", "setting", "budget", "length",
               "prefill_s", "compress_s", "decode_ms_per_token", "decode_p90_ms", "decode_speedup_vs_full", "kv_mb", "kv_full_over_this",
-              "peak_mb", "peak_vs_full", "decode_cpu_ms_per_token", "decode_cpu_speedup_vs_full", "run"]
+              "peak_mb", "peak_vs_full", "decode_cpu_ms_per_token", "decode_cpu_speedup_vs_full", "dtype", "decode_bound_ms",
+              "decode_vs_bound", "cache_cost_vs_bound", "run"]
 MAXLEN_FIELDS = ["model", "random_weights", "device", "batch", "method", "setting", "budget", "memory_cap_gb", "max_length",
                  "first_failure", "reached_upper", "upper", "max_length_vs_full", "run"]
 
@@ -71,15 +74,19 @@ def efficiency_table(rows: list[dict], searches: list[dict], runs: list[Run], ou
         return ""
     lines = ["## Efficiency (decode latency, KV cache, memory)", ""]
     if rows:
-        headers = ["Model", "Weights", "Device", "Batch", "Method", "Prompt", "Prefill s", "Decode ms/tok", "Speed-up × full",
-                   "KV MB", "KV full ÷ this", "Peak +MB", "Peak ÷ full", "Run"]
-        body = [[r["model"], "random" if r["random_weights"] else "real", r["device"], r["batch"], r["method"], r["length"],
+        headers = ["Model", "Weights", "Dtype", "Device", "Batch", "Method", "Prompt", "Prefill s", "Decode ms/tok", "Speed-up × full",
+                   "× bound", "Cache cost × bound", "KV MB", "KV full ÷ this", "Peak +MB", "Peak ÷ full", "Run"]
+        body = [[r["model"], "random" if r["random_weights"] else "real", r["dtype"] or "–", r["device"], r["batch"], r["method"], r["length"],
                  _fmt(r["prefill_s"], 3), _fmt(r["decode_ms_per_token"], 2), _ratio(r["decode_speedup_vs_full"]),
+                 _ratio(r["decode_vs_bound"]), _ratio(r["cache_cost_vs_bound"]),
                  _fmt(r["kv_mb"], 1), _ratio(r["kv_full_over_this"]), _fmt(r["peak_mb"], 1),
                  _ratio(1 / r["peak_vs_full"] if r["peak_vs_full"] else None), f"`{r['run']}`"] for r in rows]
-        lines += [markdown_table(headers, body, ["l"] * 5 + ["r"] * 8 + ["l"]), "",
+        lines += [markdown_table(headers, body, ["l"] * 6 + ["r"] * 10 + ["l"]), "",
                   "- Decode ms/tok: median over all timed decode steps; Speed-up × full: the full cache's decode latency at the "
-                  "same prompt length ÷ this method's; KV MB: the cache after prefill; Peak +MB: memory above the loaded "
+                  "same prompt length ÷ this method's; × bound: the decode step over its memory bound (weights + the cache after "
+                  "prefill, read once, at the copy bandwidth measured in the same run; docs/decode_speed.md); Cache cost × "
+                  "bound: the step's growth from the method's shortest prompt over the cache's growth at that bandwidth "
+                  "(1.00x = the cache costs only its reads); KV MB: the cache after prefill; Peak +MB: memory above the loaded "
                   "model during one measurement; Peak ÷ full: the full cache's peak ÷ this method's.", ""]
     if searches:
         headers = ["Model", "Device", "Batch", "Method", "Memory cap GB", "Max prompt tokens", "× full", "First failure"]
