@@ -85,23 +85,35 @@ def jsonl_rows(task: DictConfig, filename: str, what: str, check, *args) -> tupl
     `check(row, where, *args)` (a module-level function: it refuses a bad row in one line and may return it completed),
     the first `task.limit`: (rows, origin). Read once per file version."""
     path, origin = data_file(task, filename, what)
-    st = path.stat()
-    return list(_jsonl(str(path), check, args, (st.st_mtime_ns, st.st_size)))[: task.get("limit") or None], origin
+    return file_rows(path, check, *args)[: task.get("limit") or None], origin
+
+
+def file_rows(path: Path, check, *args) -> list[dict]:
+    """Every row of a JSON-lines or parquet file (a hub dataset's converted split), each through
+    `check(row, where, *args)`; read once per file version (modification time and size)."""
+    st = Path(path).stat()
+    return list(_rows(str(path), check, args, (st.st_mtime_ns, st.st_size)))
 
 
 @lru_cache(maxsize=32)
-def _jsonl(path: str, check, args: tuple, _version: tuple) -> tuple[dict, ...]:
+def _rows(path: str, check, args: tuple, _version: tuple) -> tuple[dict, ...]:
     import json
 
     from harness.errors import require
 
-    rows = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(check(json.loads(line), f"{path}:{number}", *args))
-        except json.JSONDecodeError as exc:
-            raise HarnessError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    if path.endswith(".parquet"):
+        import pandas as pd
+
+        records = json.loads(pd.read_parquet(path).to_json(orient="records", force_ascii=False))
+        rows = [check(r, f"{path} row {i}", *args) for i, r in enumerate(records)]
+    else:
+        rows = []
+        for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(check(json.loads(line), f"{path}:{number}", *args))
+            except json.JSONDecodeError as exc:
+                raise HarnessError(f"{path}:{number}: not valid JSON ({exc.msg}); one object per line") from None
     require(rows, f"{path} has no rows")
     return tuple(rows)

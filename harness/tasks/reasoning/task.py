@@ -21,10 +21,8 @@ instruction after it on top.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +33,7 @@ from harness.generation.prompt import Prompt
 from harness.models import LoadedModel
 from harness.tasks import contract, field_tables
 from harness.tasks.contract import Built, GenerationTask
-from harness.tasks.hub_files import data_file
+from harness.tasks.hub_files import data_file, file_rows
 from harness.tasks.long_answers.task import common_prefix, peak_cache_bytes
 from harness.tasks.answer_tables import markdown, paired_vs_full
 from metrics import gsm8k
@@ -93,30 +91,14 @@ def check_row(row, spec: Dataset, where: str) -> dict:
     return row
 
 
-@lru_cache(maxsize=8)
-def _read(path: str, name: str, _version: tuple) -> tuple[dict, ...]:
-    p, spec = Path(path), DATASETS[name]
-    if p.suffix == ".parquet":
-        import pandas as pd
-
-        records = json.loads(pd.read_parquet(p).to_json(orient="records", force_ascii=False))
-    else:
-        records = []
-        for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise HarnessError(f"{p}:{number}: not valid JSON ({exc.msg}); {spec.what} files hold one object per line") from None
-    require(records, f"{p} has no rows")
-    return tuple(check_row(r, spec, f"{p} row {i}") for i, r in enumerate(records))
+def _checked(row, where: str, name: str) -> dict:
+    return check_row(row, DATASETS[name], where)
 
 
 def load_rows(task: DictConfig) -> tuple[list[dict], str]:
     spec = DATASETS[str(task.name)]
     path, origin = data_file(task, str(task.data_file), spec.what, hub_filename=str(task.hub_file))
-    st = path.stat()
-    return list(_read(str(path), str(task.name), (st.st_mtime_ns, st.st_size)))[: task.get("limit") or None], origin
+    return file_rows(path, _checked, str(task.name))[: task.get("limit") or None], origin
 
 
 def validate(task: DictConfig) -> None:

@@ -48,12 +48,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness.errors import HarnessError, require
+from harness.errors import require
 from harness.generation.prompt import Prompt, Question
 from harness.models import LoadedModel
 from harness.tasks import contract, field_tables
 from harness.tasks.contract import Built, GenerationTask
-from harness.tasks.hub_files import data_file
+from harness.tasks.hub_files import data_file, file_rows
 from harness.tasks.longbench.data import suffix_start
 from metrics.scbench import FUNCTION_QUERY, MIXED, SCORERS, TASKS, score_column, score_turn, tree_sitter_missing
 
@@ -184,23 +184,8 @@ def check_row(row, task: str, where: str) -> dict:
     return row
 
 
-@lru_cache(maxsize=32)
-def _read(path: str, task: str, _version: tuple) -> tuple[dict, ...]:
-    p = Path(path)
-    if p.suffix == ".parquet":
-        import pandas as pd
-
-        records = json.loads(pd.read_parquet(p).to_json(orient="records", force_ascii=False))
-    else:
-        records = []
-        for number, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise HarnessError(f"{p}:{number}: not valid JSON ({exc.msg})") from None
-    require(records, f"{p} has no rows")
-    return tuple(check_row(r, task, f"{p} item {i}") for i, r in enumerate(records))
+def _checked(row, where: str, task: str) -> dict:
+    return check_row(row, task, where)
 
 
 def load_rows(task_cfg: DictConfig, task: str) -> tuple[list[dict], str]:
@@ -208,8 +193,7 @@ def load_rows(task_cfg: DictConfig, task: str) -> tuple[list[dict], str]:
     hub_name = HUB_FILE.format(task=task)
     local = task_cfg.get("data_dir") and (Path(str(task_cfg.data_dir)).expanduser() / hub_name).is_file()
     path, origin = data_file(task_cfg, hub_name if local or not task_cfg.get("data_dir") else f"{task}.jsonl", "SCBench")
-    st = path.stat()
-    rows = list(_read(str(path), task, (st.st_mtime_ns, st.st_size)))[: task_cfg.get("limit") or None]
+    rows = file_rows(path, _checked, task)[: task_cfg.get("limit") or None]
     turns = task_cfg.get("max_turns")
     return ([{**r, "multi_turns": r["multi_turns"][:turns]} for r in rows] if turns else rows), origin
 
