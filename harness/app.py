@@ -116,6 +116,9 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
     check_protocol(task, cfg)
     resume = resume_mode(cfg.get("resume", True))
     entries = method_entries(cfg, overrides)
+    from harness.models import resolve_model_dtype
+
+    resolve_model_dtype(cfg.model)  # `auto` becomes the dtype that runs before any config is recorded
     if writes_run_dir_itself(task):
         takes_methods = getattr(task, "TAKES_METHODS", False)  # task=plan: the settings it plans
         require(entries is None or takes_methods, f"task={cfg.task.name} compares the methods of task.methods itself; "
@@ -127,10 +130,14 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
         seed_everything(int(cfg.seed))
         if takes_methods:
             configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
+            for _, scfg in configs:
+                resolve_model_dtype(scfg.model)
             return task.prepare_and_run(cfg, run_dir, configs)
         return task.prepare_and_run(cfg, run_dir)
 
     configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
+    for _, scfg in configs:
+        resolve_model_dtype(scfg.model)
     planned = []
     for tag, scfg in configs:
         run_dir = RunDir(run_path / tag, grid=getattr(task, "GRID_KEYS", ()))

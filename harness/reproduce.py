@@ -138,6 +138,10 @@ def _sweep_values(key: str, value) -> list[str]:
 def _job_config(cfg) -> dict:
     from omegaconf import OmegaConf
 
+    if cfg.get("model") is not None and cfg.model.get("dtype") == "auto":  # as harness.app records it (imports torch)
+        from harness.models import resolve_model_dtype
+
+        resolve_model_dtype(cfg.model)
     out = {}
     for key in cfg.keys():
         if key == "hydra":

@@ -87,7 +87,7 @@ def collect(folder: Path) -> tuple[list[Run], list[tuple[str, str]]]:
 IGNORED_TASK_KEYS = ("shard", "log_prompts", "data_dir", "memory_cap_gb", "query_aware",
                      "prompt_style_by_chat_format",  # needle: how the default prompt_style is chosen (it is compared)
                      "batch_size")  # needle cells batched together: the same answers
-IGNORED_MODEL_KEYS = ("device_map",)
+IGNORED_MODEL_KEYS = ("device_map", "dtype_from")  # dtype_from: `auto` asked for the dtype beside it (that one compares)
 
 
 def method_name(run) -> str | None:

@@ -8,6 +8,8 @@
 #   SEARCH=0 bash scripts/bench_cpu.sh            # the benchmark only
 #   THREADS=1 bash scripts/bench_cpu.sh           # torch threads per worker (default: torch's own, 2 here)
 #   OUT=outputs/my_bench bash scripts/bench_cpu.sh
+#   bash scripts/bench_cpu.sh model.dtype=float32  # extra arguments go to both harness runs (the packaged models'
+#                                                 # dtype is auto: bfloat16 on a CPU with native bf16, else float32)
 #
 # Reruns resume: finished (method, length, repeat) rows are not measured again; resume=false starts afresh.
 # Timings are only meaningful on a quiet machine: every row records the 1-minute load average, and the

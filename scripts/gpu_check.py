@@ -108,7 +108,8 @@ def tables(stem: str) -> list[str]:
 def build_plan(*, sequential_override: str | None = None, maxlen_upper: int = CLAIM_TOKENS,
                stage: Path = STAGE) -> list[Part]:
     """Every part with its steps, in run order. Commands hold `{python}` for the interpreter."""
-    needle = ("task=needle", "model=smollm2-135m", "model.device=cuda", *NEEDLE_GRID)
+    # float32 as designed (SDPA vs eager token equality); the packaged model's default (auto) is bf16 on a GPU
+    needle = ("task=needle", "model=smollm2-135m", "model.device=cuda", "model.dtype=float32", *NEEDLE_GRID)
     lwm = ("task=bench", "model=lwm-text-chat-1m", "model.random_weights=true", "model.dtype=bfloat16", "model.device=cuda",
            "model.source=local", f"model.path={stage / 'llama2-tokenizer'}", "task.batch_size=1", "task.plots=false")
     methods = f"methods=[{','.join(METHODS)}]"

@@ -117,8 +117,8 @@ NO_COUNTERPART = {
 
 # The needle prompts: SmolLM2 with its chat template, Gemma 3 270M (a base model) with the completion prompt.
 MODELS = {
-    "smollm2-135m": ["task=needle", "task.prompt_style=chat"],
-    "gemma3-270m": ["task=needle", "task.prompt_style=completion"],
+    "smollm2-135m": ["task=needle", "task.prompt_style=chat", "model.dtype=float32"],  # kvpress's side loads float32
+    "gemma3-270m": ["task=needle", "task.prompt_style=completion", "model.dtype=float32"],
 }
 
 

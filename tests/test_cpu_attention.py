@@ -83,3 +83,45 @@ def test_float16_on_a_cpu_is_refused_beyond_tiny_models():
     with pytest.raises(HarnessError, match="float16 on a CPU runs ~50x slower"):
         load_model(compose(*larger).model)
     assert load_model(compose(*larger, "+model.allow_cpu_float16=true").model).model.dtype == torch.float16
+
+
+# ------------------------------------------------------------------------------------------ model.dtype=auto
+
+@pytest.mark.parametrize("flags, expected", [((False, False), ("float32", "neither AVX512-BF16 nor AMX")),
+                                             ((True, False), ("bfloat16", "avx512_bf16")),
+                                             ((True, True), ("bfloat16", "amx_bf16"))])
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_computes_it_natively(monkeypatch, flags, expected):
+    from harness.models import resolve_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: flags[0])
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: flags[1])
+    name, why = resolve_dtype("auto", torch.device("cpu"))
+    assert name == expected[0] and expected[1] in why
+    assert resolve_dtype("float32", torch.device("cpu")) == ("float32", None)  # a named dtype is taken as given
+
+
+def test_the_packaged_models_default_to_auto_and_the_cpu_presets_keep_float32():
+    assert compose().model.dtype == "auto" and compose("model=gemma3-270m").model.dtype == "auto"
+    assert compose("+experiment=ruler_methods_cpu").model.dtype == "float32"  # the committed tables' dtype
+    assert compose("+experiment=ruler_methods_cpu", "model.dtype=auto").model.dtype == "auto"
+
+
+def test_a_run_records_the_dtype_auto_chose(tmp_path, monkeypatch, one_thread):
+    """config.yaml holds the dtype that ran (a resume on a machine resolving otherwise is a different config), the
+    results the rule; the model computes in it."""
+    import json
+
+    from harness.app import execute
+    from test_robustness import small_haystack
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    args = ["model=tiny-random", "model.dtype=auto", "progress=false", "task.max_new_tokens=2", "task.lengths=[128]",
+            "task.depths=[50]", f"task.haystack_dir={small_haystack(tmp_path / 'haystack')}"]
+    execute(compose(*args), tmp_path / "run", overrides=args)
+    config = (tmp_path / "run" / "full" / "config.yaml").read_text()
+    assert "dtype: bfloat16" in config and "dtype_from: auto" in config
+    model = json.loads((tmp_path / "run" / "full" / "results.json").read_text())["model"]
+    assert model["dtype"] == "bfloat16" and model["dtype_rule"] == "auto: bfloat16 (the CPU has avx512_bf16)"
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)  # another machine: float32
+    with pytest.raises(HarnessError, match="different config"):
+        execute(compose(*args), tmp_path / "run", overrides=args)

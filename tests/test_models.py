@@ -80,7 +80,7 @@ def test_gemma3_270m_config():
     model = compose("model=gemma3-270m").model
     assert model.source == "gguf_package" and model.gguf_assemble is True and model.chat_format == "none"
     assert list(model.stop_strings) == ["\n"] and list(model.eos_token_ids) == [1, 106]
-    assert model.max_positions == 32768 and model.prompt_max_length == 31500 and model.dtype == "float32"
+    assert model.max_positions == 32768 and model.prompt_max_length == 31500 and model.dtype == "auto"
 
 
 def test_gemma3_270m_facts(tmp_path):
