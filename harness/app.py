@@ -118,7 +118,8 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
     entries = method_entries(cfg, overrides)
     from harness.models import resolve_model_dtype
 
-    resolve_model_dtype(cfg.model)  # `auto` becomes the dtype that runs before any config is recorded
+    planned_for = cfg.task.get("target")  # task=plan: the device planned for, not this one
+    resolve_model_dtype(cfg.model, planned_for)  # `auto` becomes the dtype that runs before any config is recorded
     if writes_run_dir_itself(task):
         takes_methods = getattr(task, "TAKES_METHODS", False)  # task=plan: the settings it plans
         require(entries is None or takes_methods, f"task={cfg.task.name} compares the methods of task.methods itself; "
@@ -131,13 +132,13 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
         if takes_methods:
             configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
             for _, scfg in configs:
-                resolve_model_dtype(scfg.model)
+                resolve_model_dtype(scfg.model, planned_for)
             return task.prepare_and_run(cfg, run_dir, configs)
         return task.prepare_and_run(cfg, run_dir)
 
     configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
     for _, scfg in configs:
-        resolve_model_dtype(scfg.model)
+        resolve_model_dtype(scfg.model, planned_for)
     planned = []
     for tag, scfg in configs:
         run_dir = RunDir(run_path / tag, grid=getattr(task, "GRID_KEYS", ()))

@@ -124,14 +124,18 @@ def resolve_dtype(spec: str, device: torch.device) -> tuple[str, str | None]:
     return "float32", f"auto: float32 (on {device.type})"
 
 
-def resolve_model_dtype(model_cfg) -> None:
+def resolve_model_dtype(model_cfg, planned_for: str | None = None) -> None:
     """Write `auto`'s choice into a model config (config.yaml then says which dtype ran, and a resumed run on a
-    machine that resolves otherwise is refused as a different config); `dtype_from: auto` keeps the request."""
+    machine that resolves otherwise is refused as a different config); `dtype_from: auto` keeps the request.
+    `planned_for="cuda"` (task=plan's target): the GPU planned for, taken to have bf16 as today's GPUs do."""
     from omegaconf import open_dict
 
     if model_cfg.get("dtype") != "auto":
         return
-    name, _ = resolve_dtype("auto", resolve_device(model_cfg.get("device", "auto")))
+    if planned_for == "cuda":
+        name = "bfloat16"
+    else:
+        name, _ = resolve_dtype("auto", resolve_device(model_cfg.get("device", "auto")))
     with open_dict(model_cfg):
         model_cfg.dtype = name
         model_cfg.dtype_from = "auto"

@@ -141,7 +141,7 @@ def _job_config(cfg) -> dict:
     if cfg.get("model") is not None and cfg.model.get("dtype") == "auto":  # as harness.app records it (imports torch)
         from harness.models import resolve_model_dtype
 
-        resolve_model_dtype(cfg.model)
+        resolve_model_dtype(cfg.model, cfg.task.get("target") if cfg.get("task") is not None else None)
     out = {}
     for key in cfg.keys():
         if key == "hydra":
