@@ -41,6 +41,12 @@ class Run:
         return str(prov.get("cuda") or prov.get("device") or "?")
 
     @property
+    def dtype(self) -> str:
+        """The dtype the model computed in (`model.dtype: auto` resolved; older records: their config's)."""
+        model_cfg = self.config.get("model") if isinstance(self.config.get("model"), dict) else {}
+        return str(self.model.get("dtype") or model_cfg.get("dtype") or "?")
+
+    @property
     def protocol(self) -> str:
         return run_protocol(self.data)
 

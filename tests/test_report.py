@@ -170,6 +170,24 @@ def test_longbench_rules_never_share_a_row(tmp_path):
     assert "| inst |" in md and "| samsum only |" in md and "| levenshtein |" in md and "| mean |" in md
 
 
+def test_runs_table_says_which_dtype_computed(tmp_path):
+    """runs.csv's dtype: the one the model computed in (model.dtype: auto resolved, in the results' model record),
+    else the config's (records older than auto), else '?'."""
+    runs = tmp_path / "runs"
+    scores = dict(PAPER[("Mistral-7B-Instruct-v0.2", "All KV")])
+    auto = longbench_results("mistral-7b-instruct-v0.2", FULL, scores, tag="full")
+    auto["model"].update(dtype="bfloat16", dtype_rule="auto: bfloat16 (CUDA with bf16)")
+    auto["config"]["model"].update(dtype="bfloat16", dtype_from="auto")
+    named = longbench_results("mistral-7b-instruct-v0.2", FULL, scores, tag="full")
+    named["config"]["model"]["dtype"] = "float32"
+    write(runs, "auto", auto)
+    write(runs, "named", named)
+    write(runs, "unknown", longbench_results("mistral-7b-instruct-v0.2", FULL, scores, tag="full"))
+    build(runs, tmp_path / "out")
+    table = {r["run"]: r["dtype"] for r in read_csv(tmp_path / "out" / "runs.csv")}
+    assert table == {"auto": "bfloat16", "named": "float32", "unknown": "?"}
+
+
 def needle_results(model: str, method: dict, tag: str, cells: list[tuple[int, float, float, bool]], failed=()) -> dict:
     rows = [{"length": n, "depth": d, "score": s, "keyword_recall": s, "strict": ok, "rouge1_f": s, "response": "..."}
             for n, d, s, ok in cells]

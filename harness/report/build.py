@@ -110,10 +110,12 @@ def build(folder: Path, out: Path, *, paper_table: Path | None = None, claims_fi
             run.note = f"task {run.task!r} has no table"
         run_rows.append({"run": run.rel, "task": run.task, "model": run.model.get("name"), "method": run.data.get("method_tag"),
                          "status": run.data.get("status") or (run.data.get("summary") or {}).get("status") or "complete",
-                         "failures": run.data.get("failures"), "device": run.device, "tables": " ".join(run.used_in),
+                         "failures": run.data.get("failures"), "device": run.device, "dtype": run.dtype,
+                         "tables": " ".join(run.used_in),
                          "code": code_column(versions[run.rel]), "note": run.note})
     run_rows += [{"run": rel, "note": why} for rel, why in bad]
-    write_csv(out / "runs.csv", run_rows, ["run", "task", "model", "method", "status", "failures", "device", "tables", "code", "note"])
+    write_csv(out / "runs.csv", run_rows, ["run", "task", "model", "method", "status", "failures", "device", "dtype", "tables", "code",
+                                         "note"])
     written["runs_table"] = run_rows
 
     skipped = [r for r in run_rows if not r.get("tables")]

@@ -65,7 +65,7 @@ def overview(runs, run_ids: dict[str, int], resamples: int, seed: int) -> dict:
                      "setting": method_setting(run.data.get("method") or {})[0], "method": (run.data.get("method") or {}).get("name"),
                      "tag": run.data.get("method_tag"), "protocol": run.protocol,
                      "status": run.data.get("status") or (run.data.get("summary") or {}).get("status") or "complete",
-                     "code": code_column(versions[run.rel]), "device": run.device})
+                     "code": code_column(versions[run.rel]), "device": run.device, "dtype": run.dtype})
     return {"runs": rows, "sets": groups, "versions": [v for v in versions_paragraph(runs, versions) if v],
             "models": sorted({r["model"] for r in rows}), "protocols": sorted({r["protocol"] for r in rows}),
             "bootstrap": {"resamples": resamples, "seed": seed}}

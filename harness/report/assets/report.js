@@ -322,8 +322,8 @@
     sec.append(table({id: "sets", columns: [{name: "Set", num: true}, {name: "Task"}, {name: "Model"}, {name: "Protocol"}, {name: "Runs", num: true}, {name: "Differs"}],
       rows: o.sets.map(s => ({cells: [s.set, s.task, s.model, protoLabel(s.protocol), s.runs.length, s.differs || "reference of its task"]}))}));
     const det = el("details", {}, el("summary", {text: `All ${o.runs.length} runs (click a row for its items)`}));
-    det.append(table({id: "runs", columns: ["Run", "Task", "Model", "Setting", "Protocol", "Status", "Code", "Device"].map(n => ({name: n})),
-      rows: o.runs.map(r => ({run: r.id, cells: [r.rel, r.task, r.model, r.setting, protoLabel(r.protocol), r.status, r.code, r.device]}))}));
+    det.append(table({id: "runs", columns: ["Run", "Task", "Model", "Setting", "Protocol", "Status", "Code", "Device", "Dtype"].map(n => ({name: n})),
+      rows: o.runs.map(r => ({run: r.id, cells: [r.rel, r.task, r.model, r.setting, protoLabel(r.protocol), r.status, r.code, r.device, r.dtype]}))}));
     sec.append(det);
     return sec;
   }
