@@ -57,7 +57,7 @@ def tables(runs, out: Path, options) -> Tables:
     write_csv(out / "plan.csv", rows, COLUMNS)
     md = ("## Memory plans\n\nPeak live bytes counted by `task=plan` (fake tensors, docs/planning.md) per setting, attention, "
           "batch and prompt length; each run's own plan_table.md has every column.\n\n"
-          + markdown_table(COLUMNS, [[r.get(c) for c in COLUMNS] for r in rows]) + "\n")
+          + markdown_table(COLUMNS, [["–" if r.get(c) is None else r.get(c) for c in COLUMNS] for r in rows]) + "\n")
     (out / "plan.md").write_text(md, encoding="utf-8")
     return Tables(sections=[("plan.md", md)], written={"plan": rows})
 
