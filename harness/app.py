@@ -116,10 +116,9 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
     check_protocol(task, cfg)
     resume = resume_mode(cfg.get("resume", True))
     entries = method_entries(cfg, overrides)
-    from harness.models import resolve_model_dtype
+    from harness.models import resolve_config_dtype
 
-    planned_for = cfg.task.get("target")  # task=plan: the device planned for, not this one
-    resolve_model_dtype(cfg.model, planned_for)  # `auto` becomes the dtype that runs before any config is recorded
+    resolve_config_dtype(cfg)  # `auto` becomes the dtype that runs before any config is recorded
     if writes_run_dir_itself(task):
         takes_methods = getattr(task, "TAKES_METHODS", False)  # task=plan: the settings it plans
         require(entries is None or takes_methods, f"task={cfg.task.name} compares the methods of task.methods itself; "
@@ -130,15 +129,10 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
         run_dir.lock()
         seed_everything(int(cfg.seed))
         if takes_methods:
-            configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
-            for _, scfg in configs:
-                resolve_model_dtype(scfg.model, planned_for)
-            return task.prepare_and_run(cfg, run_dir, configs)
+            return task.prepare_and_run(cfg, run_dir, _setting_configs(cfg, entries, overrides, config_name))
         return task.prepare_and_run(cfg, run_dir)
 
-    configs = [(str(cfg.method.tag), cfg)] if entries is None else compose_settings(entries, overrides, config_name)
-    for _, scfg in configs:
-        resolve_model_dtype(scfg.model, planned_for)
+    configs = _setting_configs(cfg, entries, overrides, config_name)
     planned = []
     for tag, scfg in configs:
         run_dir = RunDir(run_path / tag, grid=getattr(task, "GRID_KEYS", ()))
@@ -189,6 +183,19 @@ def _execute(cfg: DictConfig, run_path: Path, overrides, config_name: str, dirs:
         return done[settings[0].tag]
     return {"settings": done, "summary": {tag: _main_score(r["summary"])[1] for tag, r in done.items()},
             "failures": sum(int(r["failures"]) for r in done.values())}
+
+
+def _setting_configs(cfg: DictConfig, entries, overrides, config_name: str) -> list[tuple[str, DictConfig]]:
+    """(tag, config) of every setting: the run's own config, or one composed per `methods` entry (its dtype
+    resolved as the run's)."""
+    from harness.models import resolve_config_dtype
+
+    if entries is None:
+        return [(str(cfg.method.tag), cfg)]
+    configs = compose_settings(entries, overrides, config_name)
+    for _, scfg in configs:
+        resolve_config_dtype(scfg)
+    return configs
 
 
 def _setting(tag, method, cfg, run_dir):

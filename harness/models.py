@@ -124,15 +124,17 @@ def resolve_dtype(spec: str, device: torch.device) -> tuple[str, str | None]:
     return "float32", f"auto: float32 (on {device.type})"
 
 
-def resolve_model_dtype(model_cfg, planned_for: str | None = None) -> None:
-    """Write `auto`'s choice into a model config (config.yaml then says which dtype ran, and a resumed run on a
-    machine that resolves otherwise is refused as a different config); `dtype_from: auto` keeps the request.
-    `planned_for="cuda"` (task=plan's target): the GPU planned for, taken to have bf16 as today's GPUs do."""
+def resolve_config_dtype(cfg) -> None:
+    """Write `model.dtype: auto`'s choice into a run config (config.yaml then says which dtype ran, and a resumed
+    run on a machine that resolves otherwise is refused as a different config); `dtype_from: auto` keeps the
+    request. task=plan resolves it for the device it plans (`task.target`): a GPU, taken to have bf16 as today's do."""
     from omegaconf import open_dict
 
-    if model_cfg.get("dtype") != "auto":
+    model_cfg = cfg.get("model")
+    if model_cfg is None or model_cfg.get("dtype") != "auto":
         return
-    if planned_for == "cuda":
+    task = cfg.get("task")
+    if task is not None and task.get("target") == "cuda":
         name = "bfloat16"
     else:
         name, _ = resolve_dtype("auto", resolve_device(model_cfg.get("device", "auto")))

@@ -139,9 +139,9 @@ def _job_config(cfg) -> dict:
     from omegaconf import OmegaConf
 
     if cfg.get("model") is not None and cfg.model.get("dtype") == "auto":  # as harness.app records it (imports torch)
-        from harness.models import resolve_model_dtype
+        from harness.models import resolve_config_dtype
 
-        resolve_model_dtype(cfg.model, cfg.task.get("target") if cfg.get("task") is not None else None)
+        resolve_config_dtype(cfg)
     out = {}
     for key in cfg.keys():
         if key == "hydra":

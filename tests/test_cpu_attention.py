@@ -129,11 +129,12 @@ def test_a_run_records_the_dtype_auto_chose(tmp_path, monkeypatch, one_thread):
 
 def test_a_plan_resolves_auto_for_the_gpu_it_plans(monkeypatch):
     """task=plan plans a CUDA run: `auto` is the GPU's bfloat16 whatever this CPU computes."""
-    from harness.models import resolve_model_dtype
+    from harness.models import resolve_config_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    planned, here = compose("model.device=cpu").model, compose("model.device=cpu").model
-    resolve_model_dtype(planned, "cuda")
-    resolve_model_dtype(here)
+    planned, here = compose("task=plan", "model.device=cpu"), compose("model.device=cpu")
+    resolve_config_dtype(planned)
+    resolve_config_dtype(here)
+    planned, here = planned.model, here.model
     assert (planned.dtype, here.dtype) == ("bfloat16", "float32") and planned.dtype_from == "auto"
